@@ -1,0 +1,49 @@
+# make book: build the book into _build/html (own venv, .venv-book, with .[book]).
+# make test: every CPU test: pytest on tests/, nbval on notebooks/, the book build with -W
+#            (own venv, .venv, with .[test,book]). This is what CI runs (.ci/run).
+# Each venv is made once; a stamp inside it records the pyproject it was installed from.
+
+PYTHON    ?= python3
+VENV      ?= .venv
+BOOK_VENV ?= .venv-book
+# torch is installed first, on its own, so CI can hand in a CPU build: make test TORCH=/path/to/torch-...+cpu-...whl
+TORCH     ?= torch
+BOOK_FLAGS ?= -W --keep-going
+
+NOTEBOOKS := $(wildcard notebooks/*.ipynb)
+
+.PHONY: book test test-py test-nb test-book clean
+
+book: $(BOOK_VENV)/.stamp
+	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
+
+test: test-py test-nb test-book
+
+test-py: $(VENV)/.stamp
+	$(VENV)/bin/python -m pytest -m "not gpu" tests/
+
+test-nb: $(VENV)/.stamp
+ifneq ($(NOTEBOOKS),)
+	$(VENV)/bin/python -m pytest --nbval-lax --nbval-current-env notebooks/
+else
+	@echo "nbval: no notebooks in notebooks/, nothing to run"
+endif
+
+test-book: $(VENV)/.stamp
+	$(VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
+
+$(VENV)/.stamp: pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --upgrade pip
+	$(VENV)/bin/python -m pip install -q '$(TORCH)'
+	$(VENV)/bin/python -m pip install -q -e '.[test,book]'
+	touch $@
+
+$(BOOK_VENV)/.stamp: pyproject.toml
+	test -x $(BOOK_VENV)/bin/python || $(PYTHON) -m venv $(BOOK_VENV)
+	$(BOOK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(BOOK_VENV)/bin/python -m pip install -q -e '.[book]'
+	touch $@
+
+clean:
+	rm -rf _build .jupyter_cache
