@@ -126,13 +126,20 @@ _DIM_NAMES = {
 }
 
 
-def _describe(layout, known):
-    """'(b, l, g, n) = (2, 64, 1, 16)', with a letter where the size is not known yet."""
-    letters = ", ".join(layout)
-    sizes = ", ".join(str(known[d][0]) if d in known else d for d in layout)
-    if len(layout) == 1:
-        return f"({letters},) = ({sizes},)"
-    return f"({letters}) = ({sizes})"
+def _describe(layout, known, shape=None):
+    """'(b, l, g, n) = (2, 64, 1, 16)'.
+
+    Sizes come from ``known``; a size not known yet is taken from ``shape`` when it has
+    the right rank, else left as its letter.
+    """
+    fill = shape if shape is not None and len(shape) == len(layout) else None
+    sizes = [known[d][0] if d in known else (fill[i] if fill else d)
+             for i, d in enumerate(layout)]
+    comma = "," if len(layout) == 1 else ""
+    letters = f"({', '.join(layout)}{comma})"
+    if all(s == d for s, d in zip(sizes, layout)):  # nothing known: just the letters
+        return letters
+    return f"{letters} = ({', '.join(str(s) for s in sizes)}{comma})"
 
 
 def _check_chunk_size(chunk_size):
@@ -158,7 +165,7 @@ def _match_layout(name, shape, layout, known):
         if d in known and known[d][0] != size:
             value, source = known[d]
             raise ValueError(
-                f"{name}: expected shape {_describe(layout, known)}, got {shape} "
+                f"{name}: expected shape {_describe(layout, known, shape)}, got {shape} "
                 f"({_DIM_NAMES[d]} {d}={size} does not match {d}={value} from {source})"
             )
     for d, size in zip(layout, shape):
@@ -585,6 +592,7 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0
             padded dt' is 0, it stays flat past l, so dA_cumsum[..., -1] is also the
             value at the chunk's last valid position.
     """
+    _check_chunk_size(chunk_size)  # required here (check_inputs treats None as absent)
     arrays, dims = check_inputs(dt=dt, A=A, dt_bias=dt_bias, chunk_size=chunk_size,
                                 dt_limit=dt_limit)
     A = arrays["A"]
@@ -751,10 +759,11 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     return_final_states. All float64. l need not be a multiple of chunk_size: the tail
     chunk is zero-padded internally (dt' = 0 there) and the padded outputs are dropped.
     """
-    arrays, dims = check_inputs(
+    _check_chunk_size(chunk_size)
+    check_inputs(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, chunk_size=chunk_size, dt_limit=dt_limit,
-    )
+    )  # validate everything up front, so errors name the caller's arguments
     # 1. step sizes and the cumulative log-decay inside each chunk
     dt_out, dA_cumsum = chunk_cumsum(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit)
     # 2. what each chunk writes into the state, on its own
