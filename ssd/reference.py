@@ -293,7 +293,7 @@ def check_inputs(
         "x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "z": z, "dt_bias": dt_bias,
         "initial_states": initial_states, "seq_idx": seq_idx, "dt_out": dt_out,
         "dA_cumsum": dA_cumsum, "states": states, "prev_states": prev_states,
-    }  # fmt: skip
+    }
     arrays = {
         name: _as_array(name, value, integer=(name == "seq_idx"))
         for name, value in given.items()
@@ -393,9 +393,26 @@ def _skip_and_gate(y, x, D, z):
 # --------------------------------------------------------------------------------------
 
 
-def _recurrence(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
-                dt_limit, keep_states):
-    arrays, dims = check_inputs(
+def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None,
+                   seq_idx=None, dt_softplus=False, dt_limit=(0.0, INF),
+                   return_final_states=False, *, states_out=None):
+    """Rung 1: the SSM as a loop over time (vectorised over b, h, p, n).
+
+        h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T      # (p, n) per head
+        y_t = h_t C_t + D x_t ;  y_t *= silu(z_t)
+
+    Args:
+        x: (b, l, h, p); dt: (b, l, h); A: (h,) <= 0; B, C: (b, l, g, n).
+        D: optional (h,) or (h, p). z: optional (b, l, h, p). dt_bias: optional (h,).
+        initial_states: optional (b, h, p, n). seq_idx: optional (b, l) integer.
+        dt_softplus, dt_limit: see ``prepare_dt``.
+        return_final_states: also return h_{l-1}.
+        states_out: optional (b, l, h, p, n) array that receives every h_t
+            (see ``recurrence_states``).
+    Returns:
+        y: (b, l, h, p) float64, or (y, final_states (b, h, p, n) float64).
+    """
+    arrays, _ = check_inputs(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_limit=dt_limit,
     )
@@ -410,7 +427,6 @@ def _recurrence(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_softp
     state = arrays.get("initial_states", np.zeros((b, h, p, n)))  # h_{-1}: (b, h, p, n)
     prev_seq = np.zeros(b, dtype=np.int64)  # the virtual seq_idx[-1] = 0
     y = np.empty((b, l, h, p))
-    all_states = np.empty((b, l, h, p, n)) if keep_states else None
     for t in range(l):
         if seq is not None:  # a new sequence starts: forget the previous one
             new_seq = seq[:, t] != prev_seq  # (b,)
@@ -420,32 +436,10 @@ def _recurrence(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx, dt_softp
         write = np.einsum("bh,bhp,bhn->bhpn", dt[:, t], x[:, t], Bh[:, t])
         state = decay[:, :, None, None] * state + write  # (b, h, p, n)
         y[:, t] = np.einsum("bhpn,bhn->bhp", state, Ch[:, t])
-        if keep_states:
-            all_states[:, t] = state
+        if states_out is not None:
+            states_out[:, t] = state
     y = _skip_and_gate(y, x, arrays.get("D"), arrays.get("z"))
-    return y, state, all_states
-
-
-def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None,
-                   seq_idx=None, dt_softplus=False, dt_limit=(0.0, INF),
-                   return_final_states=False):
-    """Rung 1: the SSM as a loop over time (vectorised over b, h, p, n).
-
-        h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T      # (p, n) per head
-        y_t = h_t C_t + D x_t ;  y_t *= silu(z_t)
-
-    Args:
-        x: (b, l, h, p); dt: (b, l, h); A: (h,) <= 0; B, C: (b, l, g, n).
-        D: optional (h,) or (h, p). z: optional (b, l, h, p). dt_bias: optional (h,).
-        initial_states: optional (b, h, p, n). seq_idx: optional (b, l) integer.
-        dt_softplus, dt_limit: see ``prepare_dt``.
-        return_final_states: also return h_{l-1}.
-    Returns:
-        y: (b, l, h, p) float64, or (y, final_states (b, h, p, n) float64).
-    """
-    y, final, _ = _recurrence(x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
-                              dt_softplus, dt_limit, keep_states=False)
-    return (y, final) if return_final_states else y
+    return (y, state) if return_final_states else y
 
 
 def recurrence_states(x, dt, A, B, C, dt_bias=None, initial_states=None, seq_idx=None,
@@ -453,11 +447,14 @@ def recurrence_states(x, dt, A, B, C, dt_bias=None, initial_states=None, seq_idx
     """Every state h_t of the recurrence: (b, l, h, p, n) float64.
 
     For checking intermediates: the chunked path's prev_states[:, c] must equal
-    h_{c*q - 1} (and initial_states for c = 0).
+    h_{c*q - 1} (and initial_states for c = 0). Memory grows like l * h * p * n.
     """
-    _, _, all_states = _recurrence(x, dt, A, B, C, None, None, dt_bias, initial_states,
-                                   seq_idx, dt_softplus, dt_limit, keep_states=True)
-    return all_states
+    x = np.asarray(x)
+    states = np.empty(x.shape + (np.shape(B)[-1],))  # (b, l, h, p, n)
+    ssd_recurrence(x, dt, A, B, C, dt_bias=dt_bias, initial_states=initial_states,
+                   seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                   states_out=states)
+    return states
 
 
 # --------------------------------------------------------------------------------------
@@ -509,13 +506,12 @@ def ssd_quadratic(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=N
 
     Args / Returns: exactly as ``ssd_recurrence``.
     """
-    arrays, dims = check_inputs(
+    arrays, _ = check_inputs(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, dt_limit=dt_limit,
     )
     x, A = arrays["x"], arrays["A"]
-    b, l, h, p = x.shape
-    n = arrays["B"].shape[-1]
+    h = x.shape[2]
     dt = prepare_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
     Bh = _heads(arrays["B"], h)  # (b, l, h, n)
     Ch = _heads(arrays["C"], h)  # (b, l, h, n)
@@ -593,8 +589,8 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0
             value at the chunk's last valid position.
     """
     _check_chunk_size(chunk_size)  # required here (check_inputs treats None as absent)
-    arrays, dims = check_inputs(dt=dt, A=A, dt_bias=dt_bias, chunk_size=chunk_size,
-                                dt_limit=dt_limit)
+    arrays, _ = check_inputs(dt=dt, A=A, dt_bias=dt_bias, chunk_size=chunk_size,
+                             dt_limit=dt_limit)
     A = arrays["A"]
     # 1. dt' = clamp(softplus(dt + dt_bias)) per position.
     dt = prepare_dt(dt, dt_bias, dt_softplus, dt_limit)  # (b, l, h)
