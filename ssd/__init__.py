@@ -1,0 +1,25 @@
+"""SSD in cuTile: Mamba-2's state-space-duality forward pass.
+
+* ``ssd.reference``  NumPy ladder (recurrence, quadratic form, chunked stages); CPU only.
+* ``ssd.problem``    named problem shapes with seeded inputs and per-stage references.
+* ``ssd.mamba_chunk_scan_combined``  the cuTile forward (needs an NVIDIA GPU, torch and
+  cuda-tile); imported lazily so that the CPU chapters need neither.
+* stage kernels: ``ssd.chunk_cumsum``, ``ssd.chunk_state``, ``ssd.state_passing``,
+  ``ssd.chunk_scan``; tile sizes in ``ssd.config``.
+"""
+__version__ = "0.1.0"
+
+_LAZY = {
+    "mamba_chunk_scan_combined": "ssd.api",
+    "forward_stages": "ssd.api",
+    "SSDConfig": "ssd.config",
+    "default_config": "ssd.config",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'ssd' has no attribute {name!r}")

@@ -1,0 +1,189 @@
+"""The public forward: ``mamba_chunk_scan_combined``, a drop-in for mamba_ssm's.
+
+It validates the arguments (shapes, dtypes, devices: errors name the argument), then runs the
+three cuTile stages on the inputs' device and current stream::
+
+    chunk_cumsum  ->  chunk_state + state_passing (fused by default)  ->  chunk_scan
+
+Value checks that would need the GPU to report back (A <= 0, finite inputs, seq_idx
+non-decreasing) would force a device synchronisation and break CUDA-graph capture, so they run
+only with ``check_values=True``. Inputs may be non-contiguous (kernels take strides); a tensor
+whose last dimension is strided is copied once to make it contiguous.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import chunk_cumsum as _cumsum
+from . import chunk_scan as _scan
+from . import chunk_state as _state
+from . import state_passing as _passing
+from .config import SSDConfig, default_config
+from .reference import check_shapes
+
+STAGES = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_DSTATE = 256
+CHUNK_SIZES = (16, 32, 64, 128, 256)
+
+
+def _check_tensor(name, t, device, dtypes=FLOAT_DTYPES, optional=False):
+    if t is None:
+        if optional:
+            return
+        raise TypeError(f"{name}: expected a torch.Tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name}: on {t.device}, but x is on {device}; all inputs must share "
+                         "one CUDA device")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of "
+                        f"{', '.join(str(d) for d in dtypes)}")
+
+
+def _last_dim_contiguous(t):
+    return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+             seq_idx=None, dt_limit=(0.0, math.inf), check_values=False) -> dict:
+    """Check every argument of the forward; return the sizes (b, l, h, p, n, g, c, q).
+
+    Raises TypeError / ValueError / NotImplementedError whose message starts with the
+    argument's name.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "cuda":
+        raise ValueError(f"x: must be a CUDA tensor (got device {x.device}); the cuTile kernels "
+                         "run on NVIDIA GPUs only. On the CPU use ssd.reference.ssd_chunked.")
+    for name, t, opt in (("dt", dt, False), ("A", A, False), ("B", B, False), ("C", C, False),
+                         ("D", D, True), ("z", z, True), ("dt_bias", dt_bias, True),
+                         ("initial_states", initial_states, True)):
+        _check_tensor(name, t, x.device, optional=opt)
+    _check_tensor("x", x, x.device)
+    _check_tensor("seq_idx", seq_idx, x.device, dtypes=(torch.int32, torch.int64), optional=True)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: the cuTile kernels take a power of two in {CHUNK_SIZES} "
+                         f"(one chunk is one tile), got {chunk_size!r}")
+    dims = check_shapes(chunk_size=chunk_size, **{
+        name: None if t is None else tuple(t.shape)
+        for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                        ("dt_bias", dt_bias), ("initial_states", initial_states),
+                        ("seq_idx", seq_idx))})
+    if dims["n"] > MAX_DSTATE:
+        raise ValueError(f"B: dstate n={dims['n']} is larger than the {MAX_DSTATE} the kernels "
+                         "keep on chip")
+    try:
+        lo, hi = (float(v) for v in dt_limit)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"dt_limit: expected a pair (lo, hi), got {dt_limit!r}") from exc
+    if math.isnan(lo) or math.isnan(hi) or not 0.0 <= lo <= hi:
+        raise ValueError(f"dt_limit: expected 0 <= lo <= hi, got {tuple(dt_limit)!r}")
+    grads = [name for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D),
+                                  ("z", z), ("dt_bias", dt_bias),
+                                  ("initial_states", initial_states))
+             if t is not None and t.requires_grad]
+    if grads and torch.is_grad_enabled():
+        raise NotImplementedError(
+            f"{grads[0]}: requires grad, but ssd implements the forward pass only (no backward "
+            "yet). Run under torch.no_grad() / torch.inference_mode(), or use mamba_ssm for "
+            "training.")
+    if check_values:
+        if not torch.isfinite(A).all() or (A > 0).any():
+            raise ValueError("A: must be finite and <= 0 so that every decay exp(dt*A) is <= 1")
+        for name, t in (("x", x), ("dt", dt), ("B", B), ("C", C), ("z", z)):
+            if t is not None and not torch.isfinite(t).all():
+                raise ValueError(f"{name}: contains NaN or inf")
+        if seq_idx is not None and ((seq_idx[:, 1:] < seq_idx[:, :-1]).any() or (seq_idx < 0).any()):
+            raise ValueError("seq_idx: must be >= 0 and non-decreasing along the sequence")
+    return dims
+
+
+def chunk_seq_last(seq_idx, chunk_size: int):
+    """(b, l) int -> (b, c) int32: seq_idx at the last valid position of every chunk."""
+    l = seq_idx.shape[1]
+    last = torch.arange(chunk_size - 1, l + chunk_size - 1, chunk_size, device=seq_idx.device)
+    return seq_idx[:, last.clamp_(max=l - 1)].to(torch.int32).contiguous()
+
+
+def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                   initial_states=None, seq_idx=None, dt_softplus=False,
+                   dt_limit=(0.0, math.inf), config: SSDConfig | None = None,
+                   outputs: dict | None = None) -> dict:
+    """Run the stages and return every intermediate, named as in ``ssd.reference``.
+
+    Args:
+        (as :func:`mamba_chunk_scan_combined`), plus
+        config: tile sizes and layout choices; None picks :func:`ssd.config.default_config`.
+        outputs: optional preallocated tensors keyed like the result (tests fill them with NaN
+            so that an element a kernel fails to write is caught).
+    Returns:
+        dict with dt_out, dA_cumsum (b, h, c, q) fp32; states (b, c, h, p, n) fp32 (split
+        stage 2 only); prev_states (b, c, h, p, n); final_states (b, h, p, n) fp32;
+        y (b, l, h, p) in x's dtype.
+    """
+    config = (config or default_config(torch.cuda.get_device_capability(x.device)))
+    config = config.for_problem(chunk_size, x.shape[-1])
+    out = outputs or {}
+    x, z, B, C, dt = (_last_dim_contiguous(t) for t in (x, z, B, C, dt))
+    seq_last = None
+    if seq_idx is not None:
+        seq_idx = seq_idx.to(torch.int32)
+        seq_last = chunk_seq_last(seq_idx, chunk_size)
+    r = {}
+    r["dt_out"], r["dA_cumsum"] = _cumsum.chunk_cumsum(
+        dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        config=config.cumsum, out=_pair(out, "dt_out", "dA_cumsum"))
+    if config.state.fused:
+        r["prev_states"], r["final_states"] = _passing.chunk_state_passing(
+            B, x, r["dt_out"], r["dA_cumsum"], initial_states=initial_states, seq_idx=seq_idx,
+            seq_last=seq_last, config=config.state, out=_pair(out, "prev_states", "final_states"))
+    else:
+        r["states"] = _state.chunk_state(B, x, r["dt_out"], r["dA_cumsum"], seq_idx=seq_idx,
+                                         seq_last=seq_last, config=config.state,
+                                         out=out.get("states"))
+        r["prev_states"], r["final_states"] = _passing.state_passing(
+            r["states"], r["dA_cumsum"], initial_states=initial_states, seq_last=seq_last,
+            config=config.state, out=_pair(out, "prev_states", "final_states"))
+    r["y"] = _scan.chunk_scan(B, C, x, r["dt_out"], r["dA_cumsum"], r["prev_states"], D=D, z=z,
+                              seq_idx=seq_idx, seq_last=seq_last, config=config.scan,
+                              out=out.get("y"))
+    return r
+
+
+def _pair(out, a, b):
+    return (out[a], out[b]) if a in out and b in out else None
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                              initial_states=None, seq_idx=None, dt_softplus=False,
+                              dt_limit=(0.0, float("inf")), return_final_states=False, *,
+                              config: SSDConfig | None = None, check_values: bool = False):
+    """Mamba-2 SSD forward with mamba_ssm's signature, shapes, dtypes and semantics.
+
+    Args:
+        x: (b, l, h, p) fp32 / bf16 / fp16 on a CUDA device.
+        dt: (b, l, h); A: (h,), must be <= 0; B, C: (b, l, g, n) with h % g == 0.
+        chunk_size: q, a power of two in 16..256.
+        D: optional (h,) or (h, p) skip; z: optional (b, l, h, p) gate, y * silu(z).
+        dt_bias: optional (h,); dt_softplus: softplus(dt + dt_bias); dt_limit: clamp (lo, hi).
+        initial_states: optional (b, h, p, n); seq_idx: optional (b, l) int, packed sequences.
+        return_final_states: also return the (b, h, p, n) fp32 state after the last token.
+        config: tile/layout choices (default per GPU architecture).
+        check_values: also check A <= 0, finite inputs and seq_idx order (synchronises).
+    Returns:
+        y (b, l, h, p) in x's dtype, or (y, final_states) with return_final_states.
+    """
+    validate(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+             seq_idx=seq_idx, dt_limit=dt_limit, check_values=check_values)
+    r = forward_stages(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                       initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
+                       dt_limit=dt_limit, config=config)
+    return (r["y"], r["final_states"]) if return_final_states else r["y"]
+
+
+__all__ = ["mamba_chunk_scan_combined", "forward_stages", "validate", "chunk_seq_last", "STAGES"]

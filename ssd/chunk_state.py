@@ -1,0 +1,114 @@
+"""Stage 2a, chunk_state: the state each chunk contributes on its own.
+
+For chunk c of head h (its group's B), with q running over the chunk and ``last`` its final
+valid position::
+
+    states[c] = sum_q  exp(dA_cumsum[last] - dA_cumsum[q]) * dt'[q] * x[q] (outer) B[q]
+              = x_c^T  @  (w * B_c)          x_c: [Q, P], B_c: [Q, N], w: [Q]   ->  [P, N]
+
+which is one tensor-core matmul per (chunk, head, slice of P). With packed sequences
+(seq_idx), positions that belong to an earlier sequence than ``last`` get w = 0: their
+contribution was reset before the chunk ends.
+
+:func:`chunk_state_tile` is shared by the split kernel below and by the fused stage-2 kernel
+in :mod:`ssd.state_passing`.
+"""
+import functools
+
+import cuda.tile as ct
+
+from ._launch import array_type, index_dtype_for, launch, optional
+from .config import StateConfig
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+ZERO = ct.PaddingMode.ZERO
+LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the native unit
+
+
+def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, ib, ic, ih, ig, ip,
+                     Q, BLOCK_P, N_PAD, HAS_SEQ):
+    """Tile code: the [BLOCK_P, N_PAD] fp32 state of chunk ``ic`` for head ``ih`` (group ``ig``),
+    channels ``ip*BLOCK_P ...``. Rows past the sequence end load as zeros and have dt' = 0."""
+    xc = ct.load(x, index=(ib, ic, ih, ip), shape=(1, Q, 1, BLOCK_P), padding_mode=ZERO)
+    xc = xc.reshape((Q, BLOCK_P))  # [Q, P]
+    bc = ct.load(B, index=(ib, ic, ig, 0), shape=(1, Q, 1, N_PAD), padding_mode=ZERO)
+    bc = bc.reshape((Q, N_PAD)).astype(ct.float32)  # [Q, N]
+    dacs = ct.load(dA_cumsum, index=(ib, ih, ic, 0), shape=(1, 1, 1, Q)).reshape((Q,))
+    dtc = ct.load(dt_out, index=(ib, ih, ic, 0), shape=(1, 1, 1, Q)).reshape((Q,))
+    last = ct.load(dA_cumsum, index=(ib, ih, ic, Q - 1), shape=(1, 1, 1, 1)).reshape((1,))
+    # last - dacs <= 0 because the cumulative log-decay only falls: exp2 never overflows.
+    w = ct.exp2((last - dacs) * LOG2E) * dtc  # [Q]
+    if HAS_SEQ:
+        seq = ct.load(seq_idx, index=(ib, ic), shape=(1, Q), padding_mode=ZERO).reshape((Q,))
+        seq_end = ct.load(seq_last, index=(ib, ic), shape=(1, 1)).reshape((1,))
+        w = ct.where(seq == seq_end, w, 0.0)
+    # Fold the per-position weight into B (fp32), round once to the input dtype for the MMA.
+    bw = (bc * w[:, None]).astype(xc.dtype)  # [Q, N]
+    acc = ct.zeros((BLOCK_P, N_PAD), dtype=ct.float32)
+    return ct.mma(ct.transpose(xc), bw, acc)  # [P, N], fp32 accumulation
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernel(index_dtype=ct.int32):
+    Array = array_type(index_dtype)
+
+    @ct.kernel
+    def chunk_state_kernel(
+        x: Array,          # (b, l, h, p)
+        B: Array,          # (b, l, g, n)
+        dt_out: Array,     # (b, h, c, q) fp32
+        dA_cumsum: Array,  # (b, h, c, q) fp32
+        seq_idx: Array,    # (b, l) int32 (ignored unless HAS_SEQ)
+        seq_last: Array,   # (b, c) int32: seq_idx at each chunk's last valid position
+        states: Array,     # (b, c, h, p, n) out
+        nchunks: int,
+        heads_per_group: int,
+        Q: ConstInt,
+        BLOCK_P: ConstInt,
+        N_PAD: ConstInt,
+        HAS_SEQ: ConstBool,
+    ):
+        """Grid: (b * c, h, cdiv(p, BLOCK_P)); every chunk independently."""
+        ib = ct.bid(0) // nchunks
+        ic = ct.bid(0) % nchunks
+        ih = ct.bid(1)
+        ip = ct.bid(2)
+        st = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, ib, ic, ih,
+                              ih // heads_per_group, ip, Q, BLOCK_P, N_PAD, HAS_SEQ)
+        ct.store(states, index=(ib, ic, ih, ip, 0),
+                 tile=st.reshape((1, 1, 1, BLOCK_P, N_PAD)).astype(states.dtype))
+
+    return chunk_state_kernel
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,
+                config: StateConfig = StateConfig(), out=None):
+    """Launch stage 2a (split variant).
+
+    Args:
+        B: (b, l, g, n); x: (b, l, h, p); dt_out, dA_cumsum: (b, h, c, q) fp32 from chunk_cumsum.
+        seq_idx: optional (b, l) int32; seq_last: (b, c) int32 (see :func:`ssd.api.chunk_seq_last`).
+        out: optional preallocated (b, c, h, p, n) fp32 tensor.
+    Returns:
+        states (b, c, h, p, n) fp32.
+    """
+    import torch
+
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    _, _, nchunks, q = dt_out.shape
+    if out is None:
+        out = torch.empty((b, nchunks, h, p, n), device=x.device, dtype=torch.float32)
+    has_seq = seq_idx is not None
+    seq_idx = optional(seq_idx, 2, torch.int32, x.device)
+    seq_last = optional(seq_last, 2, torch.int32, x.device)
+    kernel = build_kernel(index_dtype_for(x, B, out))
+    grid = (b * nchunks, h, -(-p // config.block_p))
+    launch(kernel, grid, (x, B, dt_out, dA_cumsum, seq_idx, seq_last, out, nchunks, h // g, q,
+                          config.block_p, next_pow2(n), has_seq), device=x.device)
+    return out

@@ -1,0 +1,105 @@
+"""Tile sizes and layout choices for the cuTile SSD forward, as small frozen config objects.
+
+One :class:`SSDConfig` travels from the public API to every stage launcher. Defaults come
+from :func:`default_config`, which picks per GPU architecture:
+
+* ``sm_90`` (Hopper, H100/H200): measured on an H200 (see the Performance chapter; the
+  numbers behind each choice are in ``results/h200/``).
+* ``sm_100`` / ``sm_120`` (Blackwell) and ``sm_80`` (Ampere): the same tiles, **not measured**;
+  they compile (CI exports every kernel for sm_80/sm_90/sm_100) but were never timed.
+
+All tile sizes must be powers of two (a cuTile requirement); chunk_size must be a power of two
+too, because each chunk is one tile along the sequence axis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+def _check_pow2(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}: expected a positive power of two, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CumsumConfig:
+    """Stage 1 (chunk_cumsum): one block per (batch, chunk, ``block_h`` heads)."""
+
+    block_h: int = 8
+
+    def __post_init__(self):
+        _check_pow2("block_h", self.block_h)
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """Stage 2 (chunk_state + state_passing).
+
+    fused: one kernel walks the chunks of a (batch, head, ``block_p`` slice) in order, computing
+        each chunk's state on chip and carrying the running state in registers (the per-chunk
+        states never reach memory). Split: chunk_state writes every chunk's state, then
+        state_passing scans them; more parallel, one extra round trip of the states.
+    state_dtype: dtype of the entering states that stage 3 reads ("float32" or "bfloat16");
+        the running sum is always fp32.
+    """
+
+    block_p: int = 64
+    fused: bool = True
+    state_dtype: str = "float32"
+
+    def __post_init__(self):
+        _check_pow2("block_p", self.block_p)
+        if self.state_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"state_dtype: expected 'float32' or 'bfloat16', got {self.state_dtype!r}")
+
+
+@dataclass(frozen=True)
+class ScanConfig:
+    """Stage 3 (chunk_scan): a block owns ``block_m`` output rows of one chunk and ``block_p``
+    channels of one head, and walks the chunk's causal prefix ``block_s`` columns at a time."""
+
+    block_m: int = 64
+    block_s: int = 64
+    block_p: int = 64
+
+    def __post_init__(self):
+        for name in ("block_m", "block_s", "block_p"):
+            _check_pow2(name, getattr(self, name))
+        if self.block_m % self.block_s:
+            raise ValueError(f"block_s: must divide block_m={self.block_m}, got {self.block_s}")
+
+
+@dataclass(frozen=True)
+class SSDConfig:
+    cumsum: CumsumConfig = field(default_factory=CumsumConfig)
+    state: StateConfig = field(default_factory=StateConfig)
+    scan: ScanConfig = field(default_factory=ScanConfig)
+
+    def for_problem(self, chunk_size: int, headdim: int) -> "SSDConfig":
+        """Clamp tiles that would exceed the problem (a tile longer than the chunk or the head)."""
+        p = 1 << max(headdim - 1, 0).bit_length()  # next power of two >= headdim
+        scan = replace(self.scan, block_m=min(self.scan.block_m, chunk_size),
+                       block_s=min(self.scan.block_s, chunk_size, self.scan.block_m),
+                       block_p=min(self.scan.block_p, p))
+        state = replace(self.state, block_p=min(self.state.block_p, p))
+        return replace(self, scan=scan, state=state)
+
+
+# Per-architecture defaults, keyed by compute-capability major. Only 9 (Hopper) is measured.
+_DEFAULTS = {
+    9: SSDConfig(),
+}
+MEASURED_ARCHS = (9,)
+
+
+def default_config(capability: tuple[int, int] | None = None) -> SSDConfig:
+    """Default config for a GPU of compute capability ``capability`` (None: the current GPU,
+    or the sm_90 default when there is none)."""
+    if capability is None:
+        try:
+            import torch
+
+            capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
+        except ImportError:
+            capability = (9, 0)
+    return _DEFAULTS.get(capability[0], _DEFAULTS[9])

@@ -1,0 +1,81 @@
+"""The environment record stored with every GPU result (tests, benchmarks, notebooks).
+
+A number is only reproducible with the machine and software that produced it, so every JSON
+file under ``results/`` carries :func:`environment`: GPU, SM count, clocks, driver, CUDA and
+tileiras, cuda-tile, torch, triton, mamba_ssm and tilegym versions, git revision and date.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+from . import doctor
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git_revision() -> str | None:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               text=True, capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("-dirty" if dirty else "")) or None
+
+
+def _nvidia_smi(fields: str) -> list[str] | None:
+    out = doctor._run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"])
+    return [v.strip() for v in out.splitlines()[0].split(",")] if out else None
+
+
+def environment() -> dict:
+    """Everything that identifies where and with what a result was measured."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": _git_revision(),
+        "python": platform.python_version(),
+        "cuda_tile": doctor._dist_version("cuda-tile"),
+        "tileiras": doctor.locate_toolchain().tileiras.version,
+        "mamba_ssm": _mamba_ssm_version(),
+        "tilegym": doctor._dist_version("tilegym"),
+    }
+    try:
+        import torch
+        import triton
+
+        env.update(torch=torch.__version__, torch_cuda=torch.version.cuda, triton=triton.__version__)
+        if torch.cuda.is_available():
+            prop = torch.cuda.get_device_properties(0)
+            env.update(gpu=prop.name, sm_count=prop.multi_processor_count,
+                       compute_capability=f"{prop.major}.{prop.minor}")
+    except ImportError:
+        pass
+    smi = _nvidia_smi("driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.limit")
+    if smi:
+        keys = ("driver", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "mem_clock_max_mhz",
+                "power_limit_w")
+        env.update(dict(zip(keys, smi)))
+    return env
+
+
+def _mamba_ssm_version() -> str | None:
+    from .peers import mamba_ssm_version
+
+    return mamba_ssm_version()
+
+
+def gpu_slug(env: dict) -> str:
+    """'NVIDIA H200' -> 'h200': the results/ subfolder for this GPU."""
+    name = (env.get("gpu") or "cpu").lower().replace("nvidia", "").strip()
+    return name.split()[0].replace("-", "") if name else "gpu"
+
+
+def write_json(path: Path, payload) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    return path

@@ -1,0 +1,99 @@
+"""The implementations we measure against, loaded without their packaging getting in the way.
+
+* mamba_ssm's Triton SSD, ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``.
+  mamba_ssm 2.3.2.post1's package ``__init__`` imports its compiled CUDA extension
+  (``selective_scan_cuda``) and fails wherever that was not built, although the Triton SSD
+  needs none of it. :func:`mamba_ssm_forward` then registers a bare ``mamba_ssm`` package
+  whose ``__path__`` points at the installed sources, and imports only the Triton submodule.
+* TileGym's cuTile Mamba-2, ``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, a, b, c, d,
+  dt, init_state, chunk_size)``: dt already positive (no bias, no softplus), D per head,
+  initial state required, sequence length a multiple of the chunk size. Autotuning is on
+  unless ``TILEGYM_DISABLE_AUTOTUNE=1`` is set before the first call.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import types
+
+
+class PeerUnavailable(ImportError):
+    """A peer implementation is not installed or cannot be imported here."""
+
+
+def mamba_ssm_forward():
+    """Return mamba_ssm's Triton ``mamba_chunk_scan_combined`` (same signature as ours)."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return mamba_chunk_scan_combined
+    except ImportError as first:
+        spec = importlib.util.find_spec("mamba_ssm") if "mamba_ssm" not in sys.modules else None
+        if spec is None and "mamba_ssm" not in sys.modules:
+            raise PeerUnavailable(
+                "mamba_ssm is not installed: `pip install mamba-ssm --no-build-isolation` "
+                "(its Triton SSD needs only torch and triton; set MAMBA_SKIP_CUDA_BUILD=TRUE "
+                "to skip the CUDA extension)") from first
+        # The package __init__ failed (no CUDA extension): drop the half-imported modules and
+        # stand in a bare package so that only the pure-Triton submodules are imported.
+        path = (spec.submodule_search_locations if spec is not None
+                else sys.modules["mamba_ssm"].__path__)
+        for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
+            del sys.modules[name]
+        bare = types.ModuleType("mamba_ssm")
+        bare.__path__ = list(path)
+        sys.modules["mamba_ssm"] = bare
+        try:
+            module = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+        except ImportError as exc:
+            raise PeerUnavailable(f"mamba_ssm's Triton SSD cannot be imported: {exc}") from exc
+        return module.mamba_chunk_scan_combined
+
+
+def mamba_ssm_version() -> str | None:
+    """The installed mamba_ssm version, also for a source tree on PYTHONPATH (no metadata)."""
+    import re
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mamba_ssm")
+    except PackageNotFoundError:
+        spec = importlib.util.find_spec("mamba_ssm") if "mamba_ssm" not in sys.modules else None
+        paths = spec.submodule_search_locations if spec else getattr(sys.modules.get("mamba_ssm"), "__path__", [])
+        for path in paths or []:
+            init = os.path.join(path, "__init__.py")
+            if os.path.isfile(init):
+                match = re.search(r'__version__\s*=\s*["\']([^"\']+)', open(init).read())
+                return match.group(1) if match else None
+        return None
+
+
+def tilegym_forward():
+    """Return TileGym's cuTile ``mamba2_chunk_forward``."""
+    try:
+        from tilegym.ops.cutile.mamba2 import mamba2_chunk_forward
+    except Exception as exc:  # tilegym imports much at package level; any failure means absent
+        raise PeerUnavailable(f"TileGym's cuTile Mamba-2 is unavailable: `pip install tilegym` "
+                              f"({type(exc).__name__}: {exc})") from exc
+    return mamba2_chunk_forward
+
+
+def tilegym_adapter(forward=None):
+    """TileGym's forward behind our argument names: ``f(x, dt, A, B, C, chunk_size, D=None,
+    initial_states=None) -> (y, final_states)``; dt must already be positive."""
+    forward = forward or tilegym_forward()
+
+    def run(x, dt, A, B, C, chunk_size, D=None, initial_states=None):
+        import torch
+
+        b, l, h, p = x.shape
+        if l % chunk_size:
+            raise ValueError(f"x: TileGym needs seqlen % chunk_size == 0, got {l} % {chunk_size}")
+        if D is None:
+            D = torch.zeros(h, device=x.device, dtype=torch.float32)
+        if initial_states is None:
+            initial_states = torch.zeros(b, h, p, B.shape[-1], device=x.device, dtype=torch.float32)
+        return forward(x, A, B, C, D, dt, initial_states, chunk_size)
+
+    return run
