@@ -6,8 +6,13 @@
 PYTHON    ?= python3
 VENV      ?= .venv
 BOOK_VENV ?= .venv-book
-# torch is installed first, on its own, so CI can hand in a CPU build: make test TORCH=/path/to/torch-...+cpu-...whl
-TORCH     ?= torch
+# torch goes into .venv first, on its own. Tests need only a CPU build: where pip's find-links
+# (PIP_FIND_LINKS or pip config) offer one for this Python, take it; PyPI's default build is a
+# CUDA build of several GB, and some releases pin CUDA toolkit wheels that clash with
+# cuda-tile[tileiras]. Override with: make test TORCH='torch==2.13.0' (any pip argument).
+FIND_LINKS = $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+PYTAG      = $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+TORCH     ?= $(or $(firstword $(wildcard $(addsuffix /torch-*+cpu-$(PYTAG)-*.whl,$(FIND_LINKS)))),torch)
 BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)

@@ -48,6 +48,7 @@ OK, WARN, FAIL = "OK", "WARN", "FAIL"
 # Compute capability major -> oldest tileiras (major, minor) that targets it. cuTile supports
 # 8.x, 9.x, 10.x and 12.x; Blackwell came first (13.1), Ampere with 13.2, Hopper with 13.3.
 MIN_TILEIRAS = {8: (13, 2), 9: (13, 3), 10: (13, 1), 12: (13, 1)}
+TRIO = "13.4"  # the compiler release the book is tested with (tileiras, ptxas, libnvvm)
 MIN_DRIVER = 580
 MIN_CUDA_TILE = (1, 7)
 PIP_TOOLCHAIN = ("nvidia-cuda-tileiras", "nvidia-cuda-nvcc", "nvidia-nvvm")
@@ -421,8 +422,10 @@ def check_gpu(name: str | None, cc: tuple[int, int] | None,
     if have < need:
         return Check("gpu", "gpu", FAIL,
                      f"{label}: needs tileiras {_mm_str(need)} or newer, found {tileiras_version}",
-                     "pip install -U 'cuda-tile[tileiras]' (or a CUDA Toolkit "
-                     f"{_mm_str(need)}+ on PATH)")
+                     f"pip install -U 'cuda-tile[tileiras]'. Where torch pins older CUDA "
+                     f"toolkit wheels (torch 2.15 pins 13.2), put one newer compiler trio beside "
+                     f"them: pip install --no-deps 'nvidia-cuda-tileiras=={TRIO}.*' "
+                     f"'nvidia-cuda-nvcc=={TRIO}.*' 'nvidia-nvvm=={TRIO}.*'")
     return Check("gpu", "gpu", OK, label)
 
 
