@@ -515,7 +515,7 @@ def check_mamba_ssm(ssd_path: str | None, triton: str | None) -> Check:
         return Check("mamba_ssm", "peers", WARN, f"{ssd_path} found, but triton is not installed",
                      "pip install triton")
     return Check("mamba_ssm", "peers", OK, f"Triton SSD at {ssd_path} (triton {triton}; "
-                 "loaded without the package's CUDA extension)")
+                 "found, not imported: the package's __init__ needs its CUDA extension)")
 
 
 def check_tilegym(version: str | None) -> Check:
