@@ -1,7 +1,7 @@
 # make book: build the book into _build/html (own venv, .venv-book, with .[book]).
 # make test: every CPU test: pytest on tests/, nbval on notebooks/, the book build with -W
 #            (own venv, .venv, with .[test,book]). This is what CI runs (.ci/run).
-# Each venv is made once; a stamp inside it records the pyproject it was installed from.
+# Each venv is made once; a stamp file inside it, newer than pyproject.toml, skips reinstalling.
 
 PYTHON    ?= python3
 VENV      ?= .venv
