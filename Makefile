@@ -34,8 +34,9 @@ else
 	@echo "nbval: no notebooks in notebooks/, nothing to run"
 endif
 
+# --all: as a test, build from scratch (an incremental build keeps pages whose source is gone)
 test-book: $(VENV)/.stamp
-	$(VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
+	$(VENV)/bin/jupyter-book build . $(BOOK_FLAGS) --all
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
