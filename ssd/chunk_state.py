@@ -26,27 +26,39 @@ ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the native unit
 
 
-def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, ib, ic, ih, ig, ip,
-                     Q, BLOCK_P, N_PAD, HAS_SEQ):
+def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip,
+                     Q, BLOCK_K, BLOCK_P, N_PAD, HAS_SEQ):
     """Tile code: the [BLOCK_P, N_PAD] fp32 state of chunk ``ic`` for head ``ih`` (group ``ig``),
-    channels ``ip*BLOCK_P ...``. Rows past the sequence end load as zeros and have dt' = 0."""
-    xc = ct.load(x, index=(ib, ic, ih, ip), shape=(1, Q, 1, BLOCK_P), padding_mode=ZERO)
-    xc = xc.reshape((Q, BLOCK_P))  # [Q, P]
-    bc = ct.load(B, index=(ib, ic, ig, 0), shape=(1, Q, 1, N_PAD), padding_mode=ZERO)
-    bc = bc.reshape((Q, N_PAD)).astype(ct.float32)  # [Q, N]
-    dacs = ct.load(dA_cumsum, index=(ib, ih, ic, 0), shape=(1, 1, 1, Q)).reshape((Q,))
-    dtc = ct.load(dt_out, index=(ib, ih, ic, 0), shape=(1, 1, 1, Q)).reshape((Q,))
+    channels ``ip*BLOCK_P ...``.
+
+    The chunk is consumed BLOCK_K positions at a time (the MMA's K loop): a whole 256-long
+    chunk of x and B would not fit in registers next to the accumulator. K blocks that lie
+    entirely past the sequence end are skipped (a tile fully out of bounds is undefined);
+    partial ones load zeros and carry dt' = 0.
+    """
     last = ct.load(dA_cumsum, index=(ib, ih, ic, Q - 1), shape=(1, 1, 1, 1)).reshape((1,))
-    # last - dacs <= 0 because the cumulative log-decay only falls: exp2 never overflows.
-    w = ct.exp2((last - dacs) * LOG2E) * dtc  # [Q]
     if HAS_SEQ:
-        seq = ct.load(seq_idx, index=(ib, ic), shape=(1, Q), padding_mode=ZERO).reshape((Q,))
         seq_end = ct.load(seq_last, index=(ib, ic), shape=(1, 1)).reshape((1,))
-        w = ct.where(seq == seq_end, w, 0.0)
-    # Fold the per-position weight into B (fp32), round once to the input dtype for the MMA.
-    bw = (bc * w[:, None]).astype(xc.dtype)  # [Q, N]
+    k_per_chunk = Q // BLOCK_K
+    k_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)
     acc = ct.zeros((BLOCK_P, N_PAD), dtype=ct.float32)
-    return ct.mma(ct.transpose(xc), bw, acc)  # [P, N], fp32 accumulation
+    for kk in range(k_end):
+        row = ic * k_per_chunk + kk  # tile index along l in units of BLOCK_K
+        xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=ZERO)
+        xk = xk.reshape((BLOCK_K, BLOCK_P))  # [K, P]
+        bk = ct.load(B, index=(ib, row, ig, 0), shape=(1, BLOCK_K, 1, N_PAD), padding_mode=ZERO)
+        bk = bk.reshape((BLOCK_K, N_PAD)).astype(ct.float32)  # [K, N]
+        dacs = ct.load(dA_cumsum, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
+        dtk = ct.load(dt_out, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
+        # last - dacs <= 0 because the cumulative log-decay only falls: exp2 never overflows.
+        w = ct.exp2((last - dacs) * LOG2E) * dtk  # [K]
+        if HAS_SEQ:
+            seq = ct.load(seq_idx, index=(ib, row), shape=(1, BLOCK_K), padding_mode=ZERO)
+            w = ct.where(seq.reshape((BLOCK_K,)) == seq_end, w, 0.0)
+        # Fold the per-position weight into B in fp32, round once to x's dtype for the MMA.
+        bw = (bk * w[:, None]).astype(xk.dtype)  # [K, N]
+        acc = ct.mma(ct.transpose(xk), bw, acc)  # [P, N], fp32 accumulation
+    return acc
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,9 +74,11 @@ def build_kernel(index_dtype=ct.int32):
         seq_idx: Array,    # (b, l) int32 (ignored unless HAS_SEQ)
         seq_last: Array,   # (b, c) int32: seq_idx at each chunk's last valid position
         states: Array,     # (b, c, h, p, n) out
+        seqlen: int,
         nchunks: int,
         heads_per_group: int,
         Q: ConstInt,
+        BLOCK_K: ConstInt,
         BLOCK_P: ConstInt,
         N_PAD: ConstInt,
         HAS_SEQ: ConstBool,
@@ -74,8 +88,8 @@ def build_kernel(index_dtype=ct.int32):
         ic = ct.bid(0) % nchunks
         ih = ct.bid(1)
         ip = ct.bid(2)
-        st = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, ib, ic, ih,
-                              ih // heads_per_group, ip, Q, BLOCK_P, N_PAD, HAS_SEQ)
+        st = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
+                              ih // heads_per_group, ip, Q, BLOCK_K, BLOCK_P, N_PAD, HAS_SEQ)
         ct.store(states, index=(ib, ic, ih, ip, 0),
                  tile=st.reshape((1, 1, 1, BLOCK_P, N_PAD)).astype(states.dtype))
 
@@ -109,6 +123,7 @@ def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,
     seq_last = optional(seq_last, 2, torch.int32, x.device)
     kernel = build_kernel(index_dtype_for(x, B, out))
     grid = (b * nchunks, h, -(-p // config.block_p))
-    launch(kernel, grid, (x, B, dt_out, dA_cumsum, seq_idx, seq_last, out, nchunks, h // g, q,
-                          config.block_p, next_pow2(n), has_seq), device=x.device)
+    launch(kernel, grid, (x, B, dt_out, dA_cumsum, seq_idx, seq_last, out, l, nchunks, h // g, q,
+                          min(config.block_k, q), config.block_p, next_pow2(n), has_seq),
+           device=x.device)
     return out

@@ -33,7 +33,8 @@ class CumsumConfig:
 
 @dataclass(frozen=True)
 class StateConfig:
-    """Stage 2 (chunk_state + state_passing).
+    """Stage 2 (chunk_state + state_passing). A block owns ``block_p`` channels of one head
+    and reads its chunk ``block_k`` positions at a time (the K loop of x_cᵀ (w B_c)).
 
     fused: one kernel walks the chunks of a (batch, head, ``block_p`` slice) in order, computing
         each chunk's state on chip and carrying the running state in registers (the per-chunk
@@ -44,11 +45,13 @@ class StateConfig:
     """
 
     block_p: int = 64
+    block_k: int = 64
     fused: bool = True
     state_dtype: str = "float32"
 
     def __post_init__(self):
         _check_pow2("block_p", self.block_p)
+        _check_pow2("block_k", self.block_k)
         if self.state_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"state_dtype: expected 'float32' or 'bfloat16', got {self.state_dtype!r}")
 

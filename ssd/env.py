@@ -18,6 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _git_revision() -> str | None:
+    """Short git revision (+"-dirty"). A copy without history (the GPU machine gets the working
+    tree only) reads the file ``.revision`` that the sender writes (``make gpu`` does)."""
+    stamp = ROOT / ".revision"
+    if stamp.is_file():
+        return stamp.read_text().strip() or None
     try:
         rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, text=True,
                              capture_output=True, timeout=10).stdout.strip()

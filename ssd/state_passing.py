@@ -101,9 +101,11 @@ def build_fused_kernel(index_dtype=ct.int32):
         seq_last: Array,        # (b, c) int32 (ignored unless HAS_SEQ)
         prev_states: Array,     # (b, c, h, p, n) out
         final_states: Array,    # (b, h, p, n) fp32 out
+        seqlen: int,
         nchunks: int,
         heads_per_group: int,
         Q: ConstInt,
+        BLOCK_K: ConstInt,
         BLOCK_P: ConstInt,
         N_PAD: ConstInt,
         HAS_INIT: ConstBool,
@@ -120,8 +122,8 @@ def build_fused_kernel(index_dtype=ct.int32):
             ct.store(prev_states, index=(ib, ic, ih, ip, 0),
                      tile=state.reshape((1, 1, 1, BLOCK_P, N_PAD)).astype(prev_states.dtype))
             factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
-            new = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, ib, ic, ih, ig, ip,
-                                   Q, BLOCK_P, N_PAD, HAS_SEQ)  # [P, N]
+            new = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
+                                   ig, ip, Q, BLOCK_K, BLOCK_P, N_PAD, HAS_SEQ)  # [P, N]
             state = state * factor + new
         ct.store(final_states, index=(ib, ih, ip, 0), tile=state.reshape((1, 1, BLOCK_P, N_PAD)))
 
@@ -190,7 +192,7 @@ def chunk_state_passing(B, x, dt_out, dA_cumsum, initial_states=None, seq_idx=No
                           optional(initial_states, 4, torch.float32, x.device),
                           optional(seq_idx, 2, torch.int32, x.device),
                           optional(seq_last, 2, torch.int32, x.device),
-                          prev_states, final_states, nchunks, h // B.shape[2], q,
-                          config.block_p, next_pow2(n), initial_states is not None, has_seq),
+                          prev_states, final_states, l, nchunks, h // B.shape[2], q,
+                          min(config.block_k, q), config.block_p, next_pow2(n), initial_states is not None, has_seq),
            device=x.device)
     return prev_states, final_states

@@ -8,14 +8,15 @@ launch so that an element a kernel forgets to write fails the check.
 Error metric: relative Frobenius error ‖out − ref‖ / ‖ref‖ per stage output.
 
 Tolerances (per input dtype), and why:
-* float32: the MMAs take fp32 operands, which the tensor cores may run as TF32 (10-bit
-  mantissa, unit round-off 2^-11 ≈ 4.9e-4); a length-K dot product of such terms has a
-  relative error of a few u/√K in norm, so 2e-3 leaves headroom without hiding a wrong
-  mask or decay (those give errors of order 1e-1 .. 1).
+* float32: cuTile runs fp32 MMAs in full fp32 (not TF32: measured errors are ~2e-6). The
+  error is then set by exp2 / log approximations and fp32 accumulation over a chunk
+  (u = 6e-8, a few hundred terms): 2e-5 is 10x the worst error seen on the H200 and still
+  10,000x below what a wrong mask, decay or missing term gives (1e-1 .. 1).
 * float16: inputs and the MMA operands built on chip (decay-weighted C·Bᵀ, scaled B) are
-  rounded to fp16 (u = 2^-11 ≈ 4.9e-4), accumulated in fp32: same budget, 2e-3.
+  rounded to fp16 (u = 2^-11 ≈ 4.9e-4), accumulated in fp32; a norm-wise error of about
+  one u is expected (3e-4 seen): 2e-3.
 * bfloat16: u = 2^-8 ≈ 3.9e-3 for each on-chip rounding; two such roundings per term
-  (operand and weight) give ~5e-3 in norm: tolerance 1.5e-2.
+  (operand and weight) give a few e-3 in norm (2.6e-3 seen): tolerance 1.5e-2.
 The intermediate stages dt_out and dA_cumsum are fp32 arithmetic on rounded inputs: 1e-5.
 """
 import math
@@ -33,7 +34,7 @@ from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOL = {"float32": 2e-3, "float16": 2e-3, "bfloat16": 1.5e-2}
+TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
 TOL_CUMSUM = 1e-5
 LOW_PRECISION = ("x", "z", "B", "C", "dt")  # cast to the tested dtype; the rest stay fp32
 SPLIT = SSDConfig(state=StateConfig(fused=False))
