@@ -7,17 +7,8 @@ launch so that an element a kernel forgets to write fails the check.
 
 Error metric: relative Frobenius error ‖out − ref‖ / ‖ref‖ per stage output.
 
-Tolerances (per input dtype), and why:
-* float32: cuTile runs fp32 MMAs in full fp32 (not TF32: measured errors are ~2e-6). The
-  error is then set by exp2 / log approximations and fp32 accumulation over a chunk
-  (u = 6e-8, a few hundred terms): 2e-5 is 10x the worst error seen on the H200 and still
-  10,000x below what a wrong mask, decay or missing term gives (1e-1 .. 1).
-* float16: inputs and the MMA operands built on chip (decay-weighted C·Bᵀ, scaled B) are
-  rounded to fp16 (u = 2^-11 ≈ 4.9e-4), accumulated in fp32; a norm-wise error of about
-  one u is expected (3e-4 seen): 2e-3.
-* bfloat16: u = 2^-8 ≈ 3.9e-3 for each on-chip rounding; two such roundings per term
-  (operand and weight) give a few e-3 in norm (2.6e-3 seen): tolerance 1.5e-2.
-The intermediate stages dt_out and dA_cumsum are fp32 arithmetic on rounded inputs: 1e-5.
+The inputs, the reference, the NaN-poisoned buffers, the error metric and the tolerances per
+dtype (with why) live in ``ssd.validate``, shared with the GPU chapters.
 """
 import math
 import os
@@ -30,13 +21,11 @@ torch = pytest.importorskip("torch")
 
 from ssd.config import SSDConfig, StateConfig  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
+from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
+                          rel_err, run_stages)
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
-TOL_CUMSUM = 1e-5
-LOW_PRECISION = ("x", "z", "B", "C", "dt")  # cast to the tested dtype; the rest stay fp32
 SPLIT = SSDConfig(state=StateConfig(fused=False))
 FUSED = SSDConfig(state=StateConfig(fused=True))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
@@ -45,63 +34,6 @@ RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy 
 
 def seed_for(name: str) -> int:
     return (RUN_SEED + zlib.crc32(name.encode())) % 2**31
-
-
-def device_inputs(spec: ProblemSpec, seed: int, dtype: str) -> dict:
-    """Seeded inputs on the GPU: x, z, B, C, dt in ``dtype``; A, D, dt_bias, states fp32."""
-    out = {}
-    for name, arr in spec.make_inputs(seed).items():
-        t = torch.from_numpy(np.ascontiguousarray(arr)).cuda()
-        if name == "seq_idx":
-            out[name] = t.to(torch.int32)
-        else:
-            out[name] = t.to(DTYPES[dtype] if name in LOW_PRECISION else torch.float32)
-    return out
-
-
-def reference_of(spec: ProblemSpec, inputs: dict) -> dict:
-    """The float64 reference computed from exactly the values the kernels read."""
-    return spec.reference({k: v.double().cpu().numpy() if v.is_floating_point() else v.cpu().numpy()
-                           for k, v in inputs.items()})
-
-
-def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool) -> dict:
-    b, l, h, p, n, g = spec.dims
-    c, q = spec.nchunks, spec.chunk_size
-    nan = dict(fill_value=float("nan"), device="cuda")
-    out = {
-        "dt_out": torch.full((b, h, c, q), dtype=torch.float32, **nan),
-        "dA_cumsum": torch.full((b, h, c, q), dtype=torch.float32, **nan),
-        "prev_states": torch.full((b, c, h, p, n), dtype=torch.float32, **nan),
-        "final_states": torch.full((b, h, p, n), dtype=torch.float32, **nan),
-        "y": torch.full((b, l, h, p), dtype=DTYPES[dtype], **nan),
-    }
-    if split:
-        out["states"] = torch.full((b, c, h, p, n), dtype=torch.float32, **nan)
-    return out
-
-
-def rel_err(out: torch.Tensor, ref: np.ndarray) -> float:
-    o = out.double().cpu().numpy()
-    if not np.isfinite(o).all():
-        return math.inf  # an unwritten (NaN-poisoned) or overflowed element
-    denom = np.linalg.norm(ref)
-    return float(np.linalg.norm(o - ref) / (denom if denom > 0 else 1.0))
-
-
-def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config: SSDConfig) -> dict:
-    from ssd.api import forward_stages
-
-    outputs = poisoned_outputs(spec, dtype, split=not config.state.fused)
-    r = forward_stages(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
-                       spec.chunk_size, D=inputs.get("D"), z=inputs.get("z"),
-                       dt_bias=inputs.get("dt_bias"), initial_states=inputs.get("initial_states"),
-                       seq_idx=inputs.get("seq_idx"), dt_softplus=spec.dt_softplus,
-                       dt_limit=spec.dt_limit, config=config, outputs=outputs)
-    torch.cuda.synchronize()
-    for key, buf in outputs.items():
-        assert r[key] is buf, f"{key}: the stage did not write into the buffer it was given"
-    return r
 
 
 def check_stages(spec, dtype, config, record, label, seed):
