@@ -1,0 +1,561 @@
+"""Benchmark harness: ``python -m ssd.bench --suite models`` (library + command line).
+
+What it does, in order, for every shape of a suite:
+
+1. **Correctness gate.** Every implementation runs once on the shape's inputs and its output
+   for the last batch row and two heads is compared with the float64 reference
+   (``ssd.problem``); an implementation that fails the gate is recorded as failed and not
+   timed.
+2. **Timing** with CUDA events around each call, ``reps`` times after ``warmup`` untimed calls;
+   we report the median and the 20/80 % quantiles. Two L2 conditions: ``flushed`` (a 512 MiB
+   buffer is zeroed before every call, so inputs come from HBM, as in a model where other
+   layers ran in between) and ``warm`` (back-to-back calls; inputs may sit in the 60 MiB
+   L2). Two launch modes: ``eager`` (Python launches every kernel) and ``graph`` (one CUDA
+   graph replay: host launch overhead removed, the fair comparison at small shapes).
+3. **Peers in the same process, on the same inputs**: mamba_ssm's Triton forward at chunk
+   sizes 64/128/256, TileGym's cuTile forward untuned (and tuned, when asked, with its tuning
+   time recorded). Times on these machines vary by up to 30 % between two machines of one
+   kind, so results are compared as ratios within one run.
+4. **Floors** from ceilings measured in the same run (device-to-device copy bandwidth, bf16
+   matmul rate) and the model in :func:`floor_ms`.
+5. **Compile time** apart from steady state: the first call's wall time minus the steady
+   median, and, for the "new shape" goal, a fresh process with cuTile's disk cache off.
+
+Results go to ``results/<gpu>/<suite>.json``: a list of records with ``shape``, ``dims``,
+``impl``, ``chunk_size``, ``mode``, ``l2``, ``median_ms``, quantiles, ``floor_ms`` and the
+environment record (``ssd.env.environment``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from .config import SSDConfig, StateConfig, default_config
+from .env import ROOT, environment, gpu_slug, write_json
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A benchmark problem: (batch, seqlen, heads, headdim, dstate, groups) and a name."""
+
+    name: str
+    b: int
+    l: int
+    h: int
+    p: int
+    n: int
+    g: int = 1
+
+    @property
+    def dims(self):
+        return (self.b, self.l, self.h, self.p, self.n, self.g)
+
+
+SUITES = {
+    "models": [Shape("130m", 8, 2048, 24, 64, 128, 1), Shape("2.7b", 4, 4096, 80, 64, 128, 1),
+               Shape("long-16k", 1, 16384, 80, 64, 128, 1),
+               Shape("codestral-7b", 2, 8192, 128, 64, 128, 8),
+               Shape("small-state", 16, 1024, 32, 64, 64, 1)],
+    # A serving-style prefill: one short prompt on the 2.7b layer, and a small batch of them.
+    "serving": [Shape("prompt-512", 1, 512, 80, 64, 128, 1),
+                Shape("prompts-8x1k", 8, 1024, 80, 64, 128, 1)],
+    # Sequence-length sweep on the 2.7b layer at a fixed token budget of 64k tokens.
+    "seqlen": [Shape(f"2.7b-l{l}", max(1, 65536 // l), l, 80, 64, 128, 1)
+               for l in (1024, 2048, 4096, 8192, 16384, 32768, 65536)],
+}
+PEER_CHUNKS = (64, 128, 256)
+STUDY_SHAPES = ("130m", "2.7b", "codestral-7b")
+OUR_CHUNK = 256  # the chunk size our default configuration is tuned for
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_inputs(shape: Shape, dtype="bfloat16", seed=0, device="cuda") -> dict:
+    """Model-like inputs: what a Mamba-2 layer passes (D per head, dt_bias, softplus).
+
+    x, B, C ~ N(0, 1); dt_bias chosen so dt' = softplus(dt + dt_bias) lies in the
+    Mamba-2 initialisation range [1e-3, 1e-1]; A = -exp(U(0, log 16)).
+    """
+    import torch
+
+    t = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, l, h, p, n, g = shape.dims
+
+    def randn(*size, dt=t):
+        return torch.randn(*size, device=device, dtype=torch.float32, generator=gen).to(dt)
+
+    target = torch.exp(torch.empty(h, device=device).uniform_(math.log(1e-3), math.log(1e-1),
+                                                              generator=gen))
+    return dict(
+        x=randn(b, l, h, p), B=randn(b, l, g, n), C=randn(b, l, g, n),
+        dt=(0.5 * randn(b, l, h, dt=torch.float32)).to(t),
+        dt_bias=torch.log(torch.expm1(target)),  # inverse softplus of the target step
+        A=-torch.exp(torch.empty(h, device=device).uniform_(0, math.log(16), generator=gen)),
+        D=randn(h, dt=torch.float32),
+    )
+
+
+def positive_dt(inputs):
+    """dt' = softplus(dt + dt_bias) for peers that take the step already transformed."""
+    import torch
+
+    return torch.nn.functional.softplus(inputs["dt"].float() + inputs["dt_bias"]).to(inputs["dt"].dtype)
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+def implementations(inputs, names=("ssd", "mamba_ssm", "tilegym"), config=None):
+    """name -> {chunk_size: zero-argument callable returning y}, for the peers available."""
+    import torch
+
+    from . import api, peers
+
+    x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    out, skipped = {}, {}
+    if "ssd" in names:
+        out["ssd"] = {OUR_CHUNK: lambda: api.mamba_chunk_scan_combined(
+            x, dt, A, B, C, OUR_CHUNK, D=D, dt_bias=bias, dt_softplus=True, config=config)}
+    if "mamba_ssm" in names:
+        try:
+            mamba = peers.mamba_ssm_forward()
+            out["mamba_ssm"] = {q: (lambda q=q: mamba(x, dt, A, B, C, q, D=D, dt_bias=bias,
+                                                      dt_softplus=True)) for q in PEER_CHUNKS}
+        except peers.PeerUnavailable as exc:
+            skipped["mamba_ssm"] = str(exc)
+    for name in ("tilegym", "tilegym_tuned"):
+        if name not in names:
+            continue
+        try:
+            tg = peers.tilegym_adapter()
+        except peers.PeerUnavailable as exc:
+            skipped[name] = str(exc)
+            continue
+        if x.shape[1] % 64:
+            skipped[name] = "seqlen not a multiple of TileGym's chunk size"
+            continue
+        dtp = positive_dt(inputs)  # TileGym takes dt' directly: its softplus is not timed
+        init = torch.zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1], device=x.device)
+        out[name] = {64: lambda dtp=dtp, init=init: tg(x, dtp, A, B, C, 64, D=D,
+                                                       initial_states=init)[0]}
+    return out, skipped
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+_FLUSH = {}
+
+
+def _flush_buffer():
+    import torch
+
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = torch.empty(512 * 2**20, dtype=torch.int8, device="cuda")
+    return _FLUSH["buf"]
+
+
+def time_fn(fn, *, mode="graph", l2="flushed", reps=50, warmup=5) -> dict:
+    """Median and quantiles (ms) of ``fn`` timed with CUDA events, warm-up excluded.
+
+    mode "graph" captures one call into a CUDA graph and times its replay; "eager" times the
+    Python call. l2 "flushed" zeroes a 512 MiB buffer (outside the timed region) before each
+    call; "warm" does not.
+    """
+    import torch
+
+    call = fn
+    if mode == "graph":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        call = graph.replay
+    for _ in range(warmup):
+        call()
+    flush = _flush_buffer() if l2 == "flushed" else None
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush is not None:
+            flush.zero_()
+        starts[i].record()
+        call()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = np.array([s.elapsed_time(e) for s, e in zip(starts, ends)])
+    return dict(median_ms=float(np.median(ms)), q20_ms=float(np.quantile(ms, 0.2)),
+                q80_ms=float(np.quantile(ms, 0.8)), min_ms=float(ms.min()), reps=reps)
+
+
+def measure_ceilings() -> dict:
+    """Device-to-device copy bandwidth and bf16 matmul rate, measured now on this GPU."""
+    import torch
+
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = time_fn(lambda: dst.copy_(src), mode="eager", l2="warm", reps=20)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = time_fn(lambda: a @ a, mode="eager", l2="warm", reps=20)
+    del src, dst
+    return dict(copy_bytes_per_s=2 * 2**30 / (copy["median_ms"] * 1e-3),
+                bf16_flops_per_s=2 * 8192**3 / (mm["median_ms"] * 1e-3))
+
+
+def floor_ms(shape: Shape, ceilings: dict, dtype_bytes=2) -> dict:
+    """The time no implementation of this forward can beat on this GPU (ms).
+
+    Traffic: the compulsory bytes of the whole forward: read x, dt, B, C once, write y and
+    the fp32 final state (intermediates kept on chip). FLOPs: the chunked algorithm at the
+    chunk size among 64/128/256 that needs the fewest, counting only the causal half of the
+    q x q blocks, C Bᵀ once per group, and chunk_state + state_passing + the off-diagonal
+    term (``ssd.cost.ssd_costs`` with the diagonal-block terms halved). floor = max(bytes /
+    copy bandwidth, FLOPs / bf16 matmul rate).
+    """
+    from .cost import ssd_costs
+
+    b, l, h, p, n, g = shape.dims
+    bytes_ = (2 * b * l * h * p + b * l * h + 2 * b * l * g * n) * dtype_bytes + b * h * p * n * 4
+    best = None
+    for q in PEER_CHUNKS:
+        c = math.ceil(l / q)
+        costs = ssd_costs(shape.dims, q, cb_per_group=True)
+        square = 2 * b * c * q * q * (n * g + h * p)  # C Bᵀ and (L o C Bᵀ) x, full blocks
+        flops = costs["total"]["flops"] - square // 2
+        best = flops if best is None else min(best, flops)
+    t_bytes = bytes_ / ceilings["copy_bytes_per_s"] * 1e3
+    t_flops = best / ceilings["bf16_flops_per_s"] * 1e3
+    return dict(floor_ms=max(t_bytes, t_flops), floor_bytes=bytes_, floor_flops=best,
+                floor_bound="memory" if t_bytes >= t_flops else "compute")
+
+
+# ----------------------------------------------------------------------------- gate
+
+
+def gate(shape: Shape, inputs: dict, y, heads=2, tol=1.5e-2) -> float:
+    """Relative error of ``y`` against the float64 reference on the last batch row and the
+    last ``heads`` heads (full sequence). bf16 tolerance of the GPU tests."""
+    from .problem import ProblemSpec
+
+    hs = slice(shape.h - heads, shape.h)
+    gsel = slice(((shape.h - heads) * shape.g) // shape.h, shape.g)
+    spec = ProblemSpec(1, shape.l, heads, shape.p, shape.n,
+                       len(range(shape.g)[gsel]) if shape.g > 1 else 1,
+                       chunk_size=256, D="h", dt_bias=True, dt_softplus=True, name=shape.name)
+    np64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    sl = dict(x=np64(inputs["x"][-1:, :, hs]), dt=np64(inputs["dt"][-1:, :, hs]),
+              A=np64(inputs["A"][hs]), B=np64(inputs["B"][-1:, :, gsel]),
+              C=np64(inputs["C"][-1:, :, gsel]), D=np64(inputs["D"][hs]),
+              dt_bias=np64(inputs["dt_bias"][hs]))
+    ref = spec.reference(sl)["y"]
+    out = np64(y[-1:, :, hs])
+    if not np.isfinite(out).all():
+        return math.inf
+    err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    return err if err <= tol else -err  # negative: failed
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
+    """Per-stage times (ms, eager, L2 flushed) of ours, from the intermediates of one run."""
+    from . import api, chunk_cumsum, chunk_scan, chunk_state, state_passing
+
+    config = (config or default_config()).for_problem(chunk_size, inputs["x"].shape[-1])
+    x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    r = api.forward_stages(x, dt, A, B, C, chunk_size, D=D, dt_bias=bias, dt_softplus=True,
+                           config=config)
+    t = {}
+    t["chunk_cumsum"] = time_fn(lambda: chunk_cumsum.chunk_cumsum(
+        dt, A, chunk_size, dt_bias=bias, dt_softplus=True, config=config.cumsum),
+        mode="eager", reps=reps)["median_ms"]
+    if config.state.fused:
+        t["chunk_state+state_passing"] = time_fn(lambda: state_passing.chunk_state_passing(
+            B, x, r["dt_out"], r["dA_cumsum"], config=config.state), mode="eager",
+            reps=reps)["median_ms"]
+    else:
+        t["chunk_state"] = time_fn(lambda: chunk_state.chunk_state(
+            B, x, r["dt_out"], r["dA_cumsum"], config=config.state), mode="eager",
+            reps=reps)["median_ms"]
+        t["state_passing"] = time_fn(lambda: state_passing.state_passing(
+            r["states"], r["dA_cumsum"], config=config.state), mode="eager", reps=reps)["median_ms"]
+    t["chunk_scan"] = time_fn(lambda: chunk_scan.chunk_scan(
+        B, C, x, r["dt_out"], r["dA_cumsum"], r["prev_states"], D=D, config=config.scan),
+        mode="eager", reps=reps)["median_ms"]
+    return t
+
+
+def mamba_ssm_stage_times(inputs, chunk_size, reps=30) -> dict:
+    """Per-stage times (ms, eager, L2 flushed) of mamba_ssm's five Triton kernels."""
+    from . import peers
+
+    peers.mamba_ssm_forward()  # makes mamba_ssm's Triton submodules importable
+    from mamba_ssm.ops.triton.ssd_bmm import _bmm_chunk_fwd
+    from mamba_ssm.ops.triton.ssd_chunk_scan import _chunk_scan_fwd
+    from mamba_ssm.ops.triton.ssd_chunk_state import _chunk_cumsum_fwd, _chunk_state_fwd
+    from mamba_ssm.ops.triton.ssd_state_passing import _state_passing_fwd
+
+    x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    b, l, h, p = x.shape
+    dA, dto = _chunk_cumsum_fwd(dt, A, chunk_size, dt_bias=bias, dt_softplus=True)
+    st = _chunk_state_fwd(B, x, dto, dA, states_in_fp32=True)
+    flat = st.reshape(*st.shape[:-2], -1)
+    prev, _ = _state_passing_fwd(flat, dA[:, :, :, -1], chunk_size=chunk_size, out_dtype=C.dtype)
+    prev = prev.reshape(st.shape)
+    cb = _bmm_chunk_fwd(C, B, chunk_size, output_dtype=__import__("torch").float32)
+    run = {
+        "chunk_cumsum": lambda: _chunk_cumsum_fwd(dt, A, chunk_size, dt_bias=bias, dt_softplus=True),
+        "chunk_state": lambda: _chunk_state_fwd(B, x, dto, dA, states_in_fp32=True),
+        "state_passing": lambda: _state_passing_fwd(flat, dA[:, :, :, -1], chunk_size=chunk_size,
+                                                    out_dtype=C.dtype),
+        "bmm": lambda: _bmm_chunk_fwd(C, B, chunk_size, output_dtype=__import__("torch").float32),
+        "chunk_scan": lambda: _chunk_scan_fwd(cb, x, dto, dA, C, prev, D=D),
+    }
+    return {k: time_fn(f, mode="eager", reps=reps)["median_ms"] for k, f in run.items()}
+
+
+# ----------------------------------------------------------------------------- suites
+
+
+def _progress(items, desc):
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(items, desc=desc, file=sys.stdout)
+    except ImportError:
+        return items
+
+
+def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", "eager"),
+              l2s=("flushed", "warm"), reps=50, config=None, stages=True, ceilings=None,
+              dtype="bfloat16") -> dict:
+    """Gate, then time every implementation on every shape; return the suite's payload."""
+    import torch
+
+    if "tilegym" in impls and "tilegym_tuned" not in impls:
+        os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "1"  # untuned default, chunk 64
+    ceilings = ceilings or measure_ceilings()
+    records, failures, skipped_all, stage_rows = [], [], {}, []
+    for shape in _progress(shapes, "shapes"):
+        inputs = make_inputs(shape, dtype)
+        table, skipped = implementations(inputs, impls, config)
+        skipped_all.update({f"{shape.name}/{k}": v for k, v in skipped.items()})
+        floor = floor_ms(shape, ceilings)
+        for impl, by_chunk in table.items():
+            for q, fn in by_chunk.items():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                try:
+                    y = fn()
+                    torch.cuda.synchronize()
+                except Exception as exc:  # a peer that crashes is a result, not a harness error
+                    failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
+                                         error=f"{type(exc).__name__}: {exc}"[:400]))
+                    continue
+                first_s = time.perf_counter() - start
+                err = gate(shape, inputs, y)
+                if err < 0 or not math.isfinite(err):
+                    failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
+                                         error=f"correctness gate: rel err {abs(err):.3e}"))
+                    continue
+                for mode in modes:
+                    for l2 in l2s:
+                        stats = time_fn(fn, mode=mode, l2=l2, reps=reps)
+                        records.append(dict(shape=shape.name, dims=list(shape.dims), impl=impl,
+                                            chunk_size=q, mode=mode, l2=l2, dtype=dtype,
+                                            **stats, **floor, gate_rel_err=err,
+                                            first_call_s=first_s))
+        if stages:
+            row = dict(shape=shape.name, ssd=stage_times(inputs, config=config))
+            if "mamba_ssm" in table:
+                best = min((r for r in records if r["shape"] == shape.name
+                            and r["impl"] == "mamba_ssm" and r["mode"] == "graph"
+                            and r["l2"] == "flushed"), key=lambda r: r["median_ms"], default=None)
+                if best:
+                    row["mamba_ssm_chunk_size"] = best["chunk_size"]
+                    row["mamba_ssm"] = mamba_ssm_stage_times(inputs, best["chunk_size"])
+            stage_rows.append(row)
+        del inputs
+        torch.cuda.empty_cache()
+    return dict(records=records, stages=stage_rows, failures=failures, skipped=skipped_all,
+                ceilings=ceilings, settings=dict(reps=reps, warmup=5, flush_bytes=512 * 2**20,
+                                                 timer="CUDA events", statistic="median"))
+
+
+def best_records(records, impl, mode="graph", l2="flushed") -> dict:
+    """shape -> the fastest record of ``impl`` over its chunk sizes."""
+    best = {}
+    for r in records:
+        if r["impl"] == impl and r["mode"] == mode and r["l2"] == l2:
+            if r["shape"] not in best or r["median_ms"] < best[r["shape"]]["median_ms"]:
+                best[r["shape"]] = r
+    return best
+
+
+def speedups(records, over="mamba_ssm", mode="graph", l2="flushed") -> dict:
+    """shape -> ours / peer speedup (peer at its best chunk size), plus the geometric mean."""
+    ours, theirs = best_records(records, "ssd", mode, l2), best_records(records, over, mode, l2)
+    common = [s for s in ours if s in theirs]
+    out = {s: theirs[s]["median_ms"] / ours[s]["median_ms"] for s in common}
+    if out:
+        out["geomean"] = float(np.exp(np.mean(np.log(list(out.values())))))
+    return out
+
+
+# ----------------------------------------------------------------------------- compile time
+
+
+def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
+    """Wall time of the very first call on a never-seen shape, in a fresh process with
+    cuTile's on-disk kernel cache off: compilation included, nothing reused."""
+    code = ("import json,time,torch,ssd;from ssd.bench import Shape,make_inputs;"
+            f"s=Shape(*{tuple([shape.name, *shape.dims])!r});i=make_inputs(s);torch.cuda.synchronize();"
+            "t=time.perf_counter();ssd.mamba_chunk_scan_combined(i['x'],i['dt'],i['A'],i['B'],"
+            f"i['C'],{chunk_size},D=i['D'],dt_bias=i['dt_bias'],dt_softplus=True);"
+            "torch.cuda.synchronize();a=time.perf_counter()-t;t=time.perf_counter();"
+            f"ssd.mamba_chunk_scan_combined(i['x'],i['dt'],i['A'],i['B'],i['C'],{chunk_size},"
+            "D=i['D'],dt_bias=i['dt_bias'],dt_softplus=True);torch.cuda.synchronize();"
+            "print(json.dumps(dict(first_s=a,second_s=time.perf_counter()-t)))")
+    env = {**os.environ, "CUDA_TILE_CACHE_DIR": "off"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=300)
+    if out.returncode:
+        return dict(shape=shape.name, error=out.stderr[-500:])
+    return dict(shape=shape.name, dims=list(shape.dims), **json.loads(out.stdout.splitlines()[-1]))
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def config_space():
+    """The searched space of the tiling study: (chunk_size, SSDConfig) pairs.
+
+    Layout choices at both production chunk sizes (fused vs split stage 2, fp32 vs bf16
+    entering states), then chunk_scan tile shapes around the default at q = 256.
+    """
+    from .config import ScanConfig
+
+    space = [(q, SSDConfig(state=StateConfig(fused=fused, state_dtype=sd)))
+             for q in (128, 256) for fused in (True, False) for sd in ("float32", "bfloat16")]
+    for bm, bs, bp in ((128, 64, 64), (64, 32, 64), (64, 64, 32), (128, 64, 32)):
+        space.append((256, SSDConfig(scan=ScanConfig(block_m=bm, block_s=bs, block_p=bp),
+                                     state=StateConfig(block_p=bp))))
+    return space
+
+
+def config_label(q, cfg: SSDConfig) -> str:
+    return (f"q{q} {'fused' if cfg.state.fused else 'split'} st={cfg.state.state_dtype[:4]} "
+            f"m{cfg.scan.block_m} s{cfg.scan.block_s} p{cfg.scan.block_p}")
+
+
+def run_study(shapes, space=None, reps=30) -> dict:
+    """Time ours over the config space on each shape (graph replay, L2 flushed)."""
+    import torch
+
+    from . import api
+
+    space = space or config_space()
+    rows = []
+    for shape in _progress(shapes, "study"):
+        inputs = make_inputs(shape)
+        x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+        for q, cfg in space:
+            fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
+                x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)
+            start = time.perf_counter()
+            y = fn()
+            torch.cuda.synchronize()
+            first = time.perf_counter() - start
+            err = gate(shape, inputs, y)
+            stats = time_fn(fn, mode="graph", l2="flushed", reps=reps)
+            rows.append(dict(shape=shape.name, dims=list(shape.dims), chunk_size=q,
+                             label=config_label(q, cfg), config=asdict(cfg), gate_rel_err=err,
+                             first_call_s=first, **stats))
+        del inputs
+        torch.cuda.empty_cache()
+    return dict(rows=rows)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_suite(payload, ax=None, mode="graph", l2="flushed"):
+    """Bar chart: median time per shape and implementation (best chunk size), with the floor."""
+    import matplotlib.pyplot as plt
+
+    records = payload["records"]
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    ax = ax or plt.subplots(figsize=(7, 3.5), dpi=90)[1]
+    width = 0.8 / (len(impls) + 1)
+    for i, impl in enumerate(impls):
+        best = best_records(records, impl, mode, l2)
+        vals = [best[s]["median_ms"] if s in best else np.nan for s in shapes]
+        ax.bar(np.arange(len(shapes)) + i * width, vals, width, label=impl)
+    floors = [next(r["floor_ms"] for r in records if r["shape"] == s) for s in shapes]
+    ax.bar(np.arange(len(shapes)) + len(impls) * width, floors, width, label="floor", color="0.7")
+    ax.set_xticks(np.arange(len(shapes)) + 0.4 - width / 2, shapes)
+    ax.set_ylabel("ms (median)")
+    ax.set_title(f"SSD forward, bf16, {mode}, L2 {l2}")
+    ax.legend(fontsize=8)
+    return ax
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ssd.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=[*SUITES, "study", "first-call"], default="models")
+    parser.add_argument("--impl", action="append", help="ssd, mamba_ssm, tilegym, tilegym_tuned")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="graph + flushed only, no stages")
+    parser.add_argument("--out", help="output JSON (default results/<gpu>/<suite>.json)")
+    args = parser.parse_args(argv)
+    env = environment()
+    if args.suite == "first-call":
+        payload = dict(rows=[first_call_seconds(Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1)),
+                             first_call_seconds(Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4))])
+    elif args.suite == "study":
+        payload = run_study([s for s in SUITES["models"] if s.name in STUDY_SHAPES], reps=args.reps)
+    else:
+        quick = dict(modes=("graph",), l2s=("flushed",), stages=False) if args.quick else {}
+        payload = run_suite(SUITES[args.suite], impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
+                            reps=args.reps, **quick)
+        sp = speedups(payload["records"])
+        payload["speedup_vs_mamba_ssm"] = sp
+        print("\nshape            ours ms   mamba_ssm best ms   speedup   floor ms   ours/floor")
+        ours, mamba = best_records(payload["records"], "ssd"), best_records(payload["records"], "mamba_ssm")
+        for s, r in ours.items():
+            m = mamba.get(s)
+            print(f"{s:16s} {r['median_ms']:8.3f}   {m['median_ms'] if m else float('nan'):8.3f} "
+                  f"(q{m['chunk_size'] if m else '-'})   {sp.get(s, float('nan')):6.2f}x  "
+                  f"{r['floor_ms']:8.3f}   {r['floor_ms'] / r['median_ms']:6.1%}")
+        print(f"geomean speedup over mamba_ssm: {sp.get('geomean', float('nan')):.2f}x")
+        for f in payload["failures"]:
+            print("FAILED", f)
+    payload["environment"] = env
+    path = args.out or ROOT / "results" / gpu_slug(env) / f"{args.suite}.json"
+    write_json(path, payload)
+    print(f"[bench] wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
