@@ -64,3 +64,18 @@ def live_or_recorded(name: str, measure, *, force_recorded: bool = False) -> dic
     print(f"No GPU here: showing the run recorded on {env.get('gpu')} ({env.get('date')}, "
           f"git {env.get('git_revision')}) from results/{DEFAULT_GPU}/{name}.json")
     return payload
+
+
+def glue(name: str, value, display: bool = True) -> None:
+    """``myst_nb.glue`` without importing myst_nb (the GPU machine has no Sphinx stack).
+
+    Emits the same display output myst_nb's glue does (a mimebundle tagged with
+    ``metadata["scrapbook"]``), which the book build reads from the stored notebook.
+    """
+    import IPython
+    from IPython.display import display as ipy_display
+
+    bundle, metadata = IPython.core.formatters.format_display_data(value)
+    prefix = "" if display else "application/papermill.record/"
+    metadata["scrapbook"] = dict(name=name, mime_prefix=prefix)
+    ipy_display({prefix + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)
