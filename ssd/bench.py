@@ -18,8 +18,10 @@ What it does, in order, for every shape of a suite:
    kind, so results are compared as ratios within one run.
 4. **Floors** from ceilings measured in the same run (device-to-device copy bandwidth, bf16
    matmul rate) and the model in :func:`floor_ms`.
-5. **Compile time** apart from steady state: the first call's wall time minus the steady
-   median, and, for the "new shape" goal, a fresh process with cuTile's disk cache off.
+5. **Compile time** apart from steady state: each record keeps the first call's wall time
+   (``first_call_s``: compilation or autotuning for a new configuration, plus one run) beside
+   the steady-state median; for the "new shape" goal, ``--suite first-call`` times the first
+   call in a fresh process with cuTile's disk cache off.
 
 Results go to ``results/<gpu>/<suite>.json``: a list of records with ``shape``, ``dims``,
 ``impl``, ``chunk_size``, ``mode``, ``l2``, ``median_ms``, quantiles, ``floor_ms`` and the
