@@ -1,0 +1,214 @@
+"""ssd.endtoend on the CPU: Amdahl's law, the timer switch, and the share / prefill / sweep
+pipeline end to end with the torch backend on tiny sizes (times are perf_counter wall times
+here, so only their bookkeeping is checked, never their values)."""
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ssd.mamba2 as mamba2  # noqa: E402
+from ssd import endtoend  # noqa: E402
+from ssd.endtoend import (GateFailed, amdahl, amdahl_rows, cpu_time, gate,  # noqa: E402
+                          main, merge, prefill, run, ssd_share, timer)
+from ssd.mamba2 import Mamba2Config, Mamba2Mixer, Mamba2Stack  # noqa: E402
+
+TINY = Mamba2Config(d_model=32, d_state=8, headdim=16, ngroups=2, chunk_size=16, dtype="float32")
+
+
+# ----------------------------------------------------------------------------- Amdahl
+
+
+def test_amdahl_seed_example():
+    """Half the time in the kernel, kernel 2x faster: the job is 1.33x faster, time -25 %."""
+    s = amdahl(0.5, 2.0)
+    assert s == pytest.approx(4 / 3)
+    assert 1 - 1 / s == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("share,speedup,expected", [
+    (0.0, 10.0, 1.0),  # nothing of the job in the kernel
+    (1.0, 3.0, 3.0),  # all of it
+    (0.3, 1.0, 1.0),  # kernel unchanged
+    (0.5, 0.5, 1 / 1.5),  # a slower kernel slows the job
+    (0.9, 1e12, 10.0),  # the bound 1 / (1 - share)
+    (0.25, 4.0, 1 / (0.75 + 0.0625)),
+])
+def test_amdahl_values(share, speedup, expected):
+    assert amdahl(share, speedup) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("share,speedup,arg", [(-0.1, 2, "share"), (1.5, 2, "share"),
+                                               (0.5, 0, "kernel_speedup"),
+                                               (0.5, -1, "kernel_speedup"),
+                                               (math.nan, 2, "share")])
+def test_amdahl_rejects(share, speedup, arg):
+    with pytest.raises(ValueError, match=arg):
+        amdahl(share, speedup)
+
+
+def test_amdahl_rows_pairs_base_and_new():
+    rows = [dict(shape="a", backend="mamba_ssm", mixer_ms=10.0, ssd_ms=5.0),
+            dict(shape="a", backend="cutile", mixer_ms=7.5, ssd_ms=2.5),
+            dict(shape="b", backend="mamba_ssm", mixer_ms=4.0, ssd_ms=1.0),
+            dict(shape="b", backend="cutile", mixer_ms=5.0, ssd_ms=2.0),  # ours slower
+            dict(shape="c", backend="mamba_ssm", mixer_ms=1.0, ssd_ms=0.5)]  # no partner
+    out = amdahl_rows(rows)
+    assert [r["shape"] for r in out] == ["a", "b"]
+    a, b = out
+    assert a["share"] == 0.5 and a["kernel_speedup"] == 2.0
+    assert a["predicted"] == pytest.approx(4 / 3) and a["measured"] == pytest.approx(4 / 3)
+    assert a["max_possible"] == pytest.approx(2.0)
+    assert b["kernel_speedup"] == 0.5 and b["predicted"] == pytest.approx(1 / (0.75 + 0.5))
+    assert b["measured"] == pytest.approx(0.8)
+
+
+# ----------------------------------------------------------------------------- timer
+
+
+def test_cpu_time_keys_and_order():
+    stats = cpu_time(lambda: sum(range(1000)), reps=7, warmup=1)
+    assert set(stats) == {"median_ms", "q20_ms", "q80_ms", "min_ms", "reps"}
+    assert 0 < stats["min_ms"] <= stats["q20_ms"] <= stats["median_ms"] <= stats["q80_ms"]
+    assert cpu_time(lambda: None, reps=1, warmup=0)["reps"] == 1
+
+
+def test_timer_uses_cuda_events_only_on_cuda(monkeypatch):
+    seen = []
+
+    def fake_time_fn(fn, *, mode, l2, reps, warmup):
+        seen.append((mode, l2, reps, warmup))
+        return dict(median_ms=1.0, q20_ms=0.9, q80_ms=1.1, min_ms=0.8, reps=reps)
+
+    import ssd.bench
+
+    monkeypatch.setattr(ssd.bench, "time_fn", fake_time_fn)
+    cpu = timer(lambda: None, torch.device("cpu"), reps=3)
+    assert cpu["timer"].startswith("perf_counter") and seen == []
+    gpu = timer(lambda: None, torch.device("cuda"), mode="eager", l2="warm", reps=4, warmup=1)
+    assert gpu["timer"] == "CUDA events" and seen == [("eager", "warm", 4, 1)]
+    assert (gpu["mode"], gpu["l2"]) == ("eager", "warm")
+
+
+# ----------------------------------------------------------------------------- share, prefill
+
+
+def test_ssd_share_on_cpu():
+    r = ssd_share(TINY, 2, 40, "torch", reps=3, device="cpu")
+    assert r["dims"] == [2, 40, TINY.nheads, 16, 8, 2] and r["backend"] == "torch"
+    assert r["mixer_ms"] > 0 and r["ssd_ms"] > 0 and r["rest_ms"] > 0
+    assert r["share"] == pytest.approx(r["ssd_ms"] / r["mixer_ms"])
+    assert r["share_by_rest"] == pytest.approx(1 - r["rest_ms"] / r["mixer_ms"])
+    assert r["mixer"]["q20_ms"] <= r["mixer"]["median_ms"] <= r["mixer"]["q80_ms"]
+    assert r["timer"].startswith("perf_counter") and r["gate_rel_err"] is None
+    json.dumps(r)  # JSON-able
+
+
+def test_ssd_share_gates_another_backend():
+    """A backend other than torch is compared with the torch backend before timing."""
+    mixer = Mamba2Mixer(TINY, "torch", seed=1)
+    r = ssd_share(TINY, 1, 24, "reference", reps=1, device="cpu", rest=False, mixer=mixer)
+    assert 0 < r["gate_rel_err"] < endtoend.GATE_TOL["float32"]
+    assert "rest_ms" not in r and mixer.backend == "reference"
+
+
+def test_gate_catches_a_wrong_backend(monkeypatch):
+    real = mamba2.backend_function
+
+    def broken(x, *args, **kwargs):
+        return 1.2 * mamba2.ssd_torch(x, *args, **kwargs)  # 20 % off
+
+    monkeypatch.setattr(mamba2, "backend_function",
+                        lambda name: broken if name == "reference" else real(name))
+    mixer = Mamba2Mixer(TINY, "reference")
+    u = torch.randn(1, 24, TINY.d_model)
+    with pytest.raises(GateFailed, match="reference"):
+        gate(mixer, u)
+    assert mixer.backend == "reference"  # restored after the comparison
+
+
+def test_hook_captures_what_the_mixer_passes():
+    """The SSD timed alone gets exactly the tensors the layer hands it."""
+    mixer = Mamba2Mixer(TINY, seed=2)
+    u = torch.randn(2, 40, TINY.d_model)
+    out, calls = mamba2.capture_ssd_calls(mixer, u)
+    x, dt, A, B, C, D, dt_bias = calls[0]
+    assert x.shape == (2, 40, TINY.nheads, TINY.headdim) and B.shape == (2, 40, 2, 8)
+    assert x.stride(-1) == 1 and B.stride(-1) == 1  # no copy needed inside the SSD
+    assert torch.equal(out, mixer(u))
+    stack = Mamba2Stack(TINY, 3)
+    _, calls = mamba2.capture_ssd_calls(stack, u)
+    assert len(calls) == 3
+    _, calls = mamba2.capture_ssd_calls(stack, u, limit=1)
+    assert len(calls) == 1
+
+
+def test_prefill_on_cpu():
+    r = prefill(TINY, 2, 2, 40, "torch", reps=2, device="cpu")
+    assert (r["n_layers"], r["batch"], r["seqlen"], r["tokens"]) == (2, 2, 40, 80)
+    assert r["tokens_per_s"] == pytest.approx(80 / (r["latency_ms"] * 1e-3))
+    assert r["ssd_ms_total"] == pytest.approx(2 * r["ssd_ms_per_layer"])
+    assert r["ssd_share"] == pytest.approx(r["ssd_ms_total"] / r["latency_ms"])
+    stack = Mamba2Stack(TINY, 3)
+    assert prefill(TINY, 99, 1, 16, "torch", reps=1, device="cpu", stack=stack,
+                   measure_ssd=False)["n_layers"] == 3
+
+
+# ----------------------------------------------------------------------------- sweep, CLI
+
+
+def test_run_writes_results_and_merges(tmp_path):
+    out = tmp_path / "endtoend.json"
+    shape = endtoend.SMOKE_SHAPES[0]
+    grid = [(mamba2.config_for_shape(shape, chunk_size=32, dtype="float32"), 1, 40)]
+    payload = run([shape], ("torch", "cutile"), grid, reps=2, prefill_reps=1, n_layers=2,
+                  chunk_size=32, dtype="float32", device="cpu", out=out, progress=False)
+    disk = json.loads(out.read_text())
+    assert disk["environment"]["python"] and disk == json.loads(json.dumps(payload))
+    share, pre = disk["share"], disk["prefill"]
+    assert [(r["shape"], r["backend"]) for r in share["rows"]] == [("smoke", "torch")]
+    assert [(r["n_layers"], r["batch"], r["seqlen"]) for r in pre["rows"]] == [(2, 1, 40)]
+    if not torch.cuda.is_available():
+        assert "cutile" in share["skipped"] and "no CUDA GPU" in share["skipped"]["cutile"]
+    assert share["failures"] == [] and pre["failures"] == []
+    assert share["environment"] == disk["environment"]
+    # a second run of one part replaces its rows and keeps the other part
+    old_prefill = pre
+    again = run([shape], ("torch",), grid, parts=("share",), reps=2, chunk_size=32,
+                dtype="float32", device="cpu", out=out, progress=False)
+    assert again["prefill"] == old_prefill
+    assert len(again["share"]["rows"]) == 1
+
+
+def test_merge_replaces_rows_by_key():
+    old = dict(share=dict(rows=[dict(shape="a", backend="cutile", mixer_ms=2.0, ssd_ms=1.0),
+                                dict(shape="b", backend="cutile", mixer_ms=2.0, ssd_ms=1.0)],
+                          failures=[dict(shape="a", backend="mamba_ssm", error="x")]),
+               environment={"date": "old"})
+    new = dict(share=dict(rows=[dict(shape="a", backend="cutile", mixer_ms=3.0, ssd_ms=1.0),
+                                dict(shape="a", backend="mamba_ssm", mixer_ms=4.0, ssd_ms=2.0)],
+                          failures=[], skipped={}, settings={}),
+               environment={"date": "new"})
+    m = merge(old, new)
+    rows = {(r["shape"], r["backend"]): r["mixer_ms"] for r in m["share"]["rows"]}
+    assert rows == {("a", "cutile"): 3.0, ("b", "cutile"): 2.0, ("a", "mamba_ssm"): 4.0}
+    assert m["share"]["failures"] == []  # the failed row was redone
+    assert m["environment"] == {"date": "new"}
+    assert [a["shape"] for a in m["share"]["amdahl"]] == ["a"]
+
+
+def test_cli_smoke(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    assert main(["--suite", "smoke", "--backend", "torch", "--reps", "2", "--prefill-reps", "1",
+                 "--layers", "2", "--device", "cpu", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "smoke" in text and "tokens/s" in text and str(out) in text
+    disk = json.loads(out.read_text())
+    assert disk["share"]["rows"][0]["dtype"] == "float32"
+    assert disk["prefill"]["rows"][0]["n_layers"] == 2
+
+
+def test_presets_in_the_prefill_grid():
+    assert {name for name, _, _ in endtoend.PREFILL_GRID} <= set(mamba2.PRESETS)
+    assert {name for name, _, _ in endtoend.QUICK_PREFILL_GRID} <= set(mamba2.PRESETS)
