@@ -19,18 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _git_revision() -> str | None:
     """Short git revision (+"-dirty"). A copy without history (the GPU machine gets the working
-    tree only) reads the file ``.revision`` that the sender writes (``make gpu`` does)."""
-    stamp = ROOT / ".revision"
-    if stamp.is_file():
-        return stamp.read_text().strip() or None
+    tree only) reads the file ``.revision`` that the sender writes instead."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, text=True,
                              capture_output=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                text=True, capture_output=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
-    return (rev + ("-dirty" if dirty else "")) or None
+        rev, dirty = "", ""
+    if rev:
+        return rev + ("-dirty" if dirty else "")
+    stamp = ROOT / ".revision"
+    return (stamp.read_text().strip() or None) if stamp.is_file() else None
 
 
 def _nvidia_smi(fields: str) -> list[str] | None:
