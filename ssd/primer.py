@@ -31,6 +31,23 @@ NEG_INF = ct.PaddingMode.NEG_INF
 ARCHS = ("sm_80", "sm_90", "sm_100")
 
 
+def kernel_source(kernel) -> str:
+    """The Python source of a ``@ct.kernel`` (or of any function), decorator included."""
+    import inspect
+
+    return inspect.getsource(getattr(kernel, "_pyfunc", kernel))
+
+
+def constant_params(kernel) -> list:
+    """Names of a kernel's ``ct.Constant`` parameters: the values it is specialised on."""
+    import inspect
+
+    from ._launch import _param_kinds
+
+    names = inspect.signature(kernel._pyfunc).parameters
+    return [name for name, (kind, _) in zip(names, _param_kinds(kernel)) if kind == "const"]
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (tile extents must be powers of two)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -274,5 +291,5 @@ def tileir_text(record, arch: str = "sm_90") -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-__all__ = ["scale_add", "row_stats", "matmul", "build_scale_add_kernel", "row_stats_kernel",
+__all__ = ["kernel_source", "constant_params", "scale_add", "row_stats", "matmul", "build_scale_add_kernel", "row_stats_kernel",
            "matmul_kernel", "capture_primer", "export", "compile_primer", "tileir_text", "Exported", "ARCHS"]

@@ -99,20 +99,21 @@ def test_row_stats_on_gpu(shape):
     sums, maxes, cumsums = primer.row_stats(x, out=out)
     torch.cuda.synchronize()
     xd = x.double()
-    assert _rel(sums, xd.sum(1)) < 1e-6
+    tol = shape[1] * 2**-24  # worst case of fp32 accumulation over a row
+    assert _rel(sums, xd.sum(1)) <= tol
     assert torch.equal(maxes, x.max(1).values)
-    assert _rel(cumsums, xd.cumsum(1)) < 1e-6
+    assert _rel(cumsums, xd.cumsum(1)) <= tol
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-5),
-                                       (torch.float16, 1e-5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mkn", [(128, 128, 128), (100, 90, 70), (64, 32, 1000)])
-def test_matmul_on_gpu(mkn, dtype, tol):
+def test_matmul_on_gpu(mkn, dtype):
     """fp32 output against the float64 product of the same (rounded) inputs: with fp32
-    accumulation only the accumulation error (~ sqrt(K) * 2^-24) remains, whatever the input
-    dtype."""
+    accumulation only the accumulation error remains, whatever the input dtype; its worst
+    case over K terms is K * 2^-24 (typically ~sqrt(K) times smaller)."""
     m, n, k = mkn
+    tol = k * 2**-24
     a = torch.randn(m, k, device="cuda", dtype=dtype)
     b = torch.randn(k, n, device="cuda", dtype=dtype)
     c = torch.full((m, n), float("nan"), device="cuda")
