@@ -17,7 +17,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book clean
+.PHONY: book test test-py test-nb test-book gpu clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -50,6 +50,20 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 	$(BOOK_VENV)/bin/python -m pip install -q --upgrade pip
 	$(BOOK_VENV)/bin/python -m pip install -q -e '.[book]'
 	touch $@
+
+# make gpu: on a GPU machine, in an environment with .[gpu,test] installed, regenerate every GPU
+# number in the book: the GPU tests (results/<gpu>/gpu_tests.json), the benchmark suites and the
+# tiling study (results/<gpu>/<suite>.json), the first-call compile times, then re-execute the
+# GPU chapters so their stored outputs and recordings come from this run. Needs a GPU; CI never
+# runs it. Several minutes (the study compiles a dozen configurations).
+GPU_PYTHON ?= python3
+gpu:
+	$(GPU_PYTHON) -m ssd doctor
+	$(GPU_PYTHON) -m pytest -m gpu tests/
+	$(GPU_PYTHON) -m ssd.bench --suite models
+	$(GPU_PYTHON) -m ssd.bench --suite study
+	$(GPU_PYTHON) -m ssd.bench --suite first-call
+	$(GPU_PYTHON) -m ssd.notebooks '0[4-9]*.ipynb' '1[0-9]*.ipynb'
 
 clean:
 	rm -rf _build .jupyter_cache
