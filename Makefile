@@ -63,6 +63,7 @@ gpu:
 	$(GPU_PYTHON) -m ssd.bench --suite models
 	$(GPU_PYTHON) -m ssd.bench --suite study
 	$(GPU_PYTHON) -m ssd.bench --suite first-call
+	$(GPU_PYTHON) -m ssd.endtoend
 	$(GPU_PYTHON) -m ssd.notebooks '0[4-9]*.ipynb' '1[0-9]*.ipynb'
 
 clean:

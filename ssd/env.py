@@ -75,9 +75,11 @@ def _mamba_ssm_version() -> str | None:
 
 
 def gpu_slug(env: dict) -> str:
-    """'NVIDIA H200' -> 'h200': the results/ subfolder for this GPU."""
-    name = (env.get("gpu") or "cpu").lower().replace("nvidia", "").strip()
-    return name.split()[0].replace("-", "") if name else "gpu"
+    """The results/ subfolder for a GPU: 'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' ->
+    'a100', 'NVIDIA GeForce RTX 5090' -> '5090'; 'cpu' without a GPU."""
+    words = [w for w in (env.get("gpu") or "cpu").lower().replace("-", " ").split()
+             if w not in ("nvidia", "geforce", "rtx", "tesla")]
+    return words[0] if words else "gpu"
 
 
 def write_json(path: Path, payload) -> Path:

@@ -37,6 +37,13 @@ def result_path(name: str, gpu: str | None = None) -> Path:
 
 
 def load_recorded(name: str, gpu: str | None = None) -> dict:
+    """The recording ``results/<gpu>/<name>.json``: by default this machine's GPU's own
+    recording when it has one, else the book's (``DEFAULT_GPU``)."""
+    if gpu is None and gpu_available():
+        import torch
+
+        own = result_path(name, gpu_slug({"gpu": torch.cuda.get_device_name()}))
+        gpu = own.parent.name if own.is_file() else None
     path = result_path(name, gpu)
     if not path.is_file():
         raise FileNotFoundError(f"{path.relative_to(ROOT)}: no recorded result; run this chapter "
