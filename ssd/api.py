@@ -57,9 +57,6 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if x.device.type != "cuda":
-        raise ValueError(f"x: must be a CUDA tensor (got device {x.device}); the cuTile kernels "
-                         "run on NVIDIA GPUs only. On the CPU use ssd.reference.ssd_chunked.")
     for name, t, opt in (("dt", dt, False), ("A", A, False), ("B", B, False), ("C", C, False),
                          ("D", D, True), ("z", z, True), ("dt_bias", dt_bias, True),
                          ("initial_states", initial_states, True)):
@@ -100,6 +97,11 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                 raise ValueError(f"{name}: contains NaN or inf")
         if seq_idx is not None and ((seq_idx[:, 1:] < seq_idx[:, :-1]).any() or (seq_idx < 0).any()):
             raise ValueError("seq_idx: must be >= 0 and non-decreasing along the sequence")
+    # The device last, so that every other error reads the same on any machine (and is tested
+    # on the CPU).
+    if x.device.type != "cuda":
+        raise ValueError(f"x: must be a CUDA tensor (got device {x.device}); the cuTile kernels "
+                         "run on NVIDIA GPUs only. On the CPU use ssd.reference.ssd_chunked.")
     return dims
 
 

@@ -46,7 +46,8 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
         gpu = own.parent.name if own.is_file() else None
     path = result_path(name, gpu)
     if not path.is_file():
-        raise FileNotFoundError(f"{path.relative_to(ROOT)}: no recorded result; run this chapter "
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        raise FileNotFoundError(f"{shown}: no recorded result; run this chapter "
                                 "on a GPU once (see the Reproducibility chapter)")
     return json.loads(path.read_text())
 

@@ -1,0 +1,85 @@
+"""The public forward's argument checks, on the CPU (every error names its argument).
+
+``ssd.api.validate`` runs every check before the one that needs a CUDA device, so each class
+of bad input is exercised here; a valid call on CPU tensors ends at the device check.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cuda.tile")
+
+from ssd.api import chunk_seq_last, validate  # noqa: E402
+
+B_, L, H, P, N, G, Q = 2, 40, 4, 8, 16, 2, 16
+
+
+def good(**over):
+    args = dict(x=torch.randn(B_, L, H, P, dtype=torch.bfloat16),
+                dt=torch.rand(B_, L, H, dtype=torch.bfloat16), A=-torch.rand(H),
+                B=torch.randn(B_, L, G, N, dtype=torch.bfloat16),
+                C=torch.randn(B_, L, G, N, dtype=torch.bfloat16), chunk_size=Q)
+    args.update(over)
+    return args
+
+
+def test_valid_call_reaches_the_device_check():
+    with pytest.raises(ValueError, match=r"^x: must be a CUDA tensor"):
+        validate(**good())
+
+
+BAD = [
+    ("x", dict(x=[1.0]), TypeError),
+    ("x", dict(x=torch.randn(B_, L, H, P, dtype=torch.float64)), TypeError),
+    ("dt", dict(dt=None), TypeError),
+    ("dt", dict(dt=torch.rand(B_, L + 1, H)), ValueError),
+    ("A", dict(A=-torch.rand(H + 1)), ValueError),
+    ("B", dict(B=torch.randn(B_, L, G, 512), C=torch.randn(B_, L, G, 512)), ValueError),  # dstate
+    ("C", dict(C=torch.randn(B_, L, G + 1, N)), ValueError),
+    ("B", dict(B=torch.randn(B_, L, 3, N), C=torch.randn(B_, L, 3, N)), ValueError),  # h % g
+    ("B", dict(B=torch.randn(B_ + 1, L, G, N)), ValueError),
+    ("D", dict(D=torch.randn(H, P + 1)), ValueError),
+    ("z", dict(z=torch.randn(B_, L, H, P - 1)), ValueError),
+    ("dt_bias", dict(dt_bias=torch.randn(H + 2)), ValueError),
+    ("initial_states", dict(initial_states=torch.randn(B_, H, P, N + 1)), ValueError),
+    ("seq_idx", dict(seq_idx=torch.zeros(B_, L)), TypeError),  # float seq_idx
+    ("seq_idx", dict(seq_idx=torch.zeros(B_, L + 1, dtype=torch.int32)), ValueError),
+    ("chunk_size", dict(chunk_size=48), ValueError),
+    ("chunk_size", dict(chunk_size=512), ValueError),
+    ("chunk_size", dict(chunk_size=True), ValueError),
+    ("dt_limit", dict(dt_limit=(0.1, 0.01)), ValueError),
+    ("dt_limit", dict(dt_limit=5), TypeError),
+    ("x", dict(x=torch.randn(B_, L, H, P, dtype=torch.bfloat16, requires_grad=True)),
+     NotImplementedError),
+]
+
+
+@pytest.mark.parametrize("name,over,exc", BAD, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(BAD)])
+def test_bad_input_names_the_argument(name, over, exc):
+    args = good(**over)
+    with pytest.raises(exc, match=rf"^{name}\b"):
+        validate(**args)
+
+
+def test_no_grad_allows_inputs_that_require_grad():
+    x = torch.randn(B_, L, H, P, dtype=torch.bfloat16, requires_grad=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="^x: must be a CUDA tensor"):
+        validate(**good(x=x))
+
+
+@pytest.mark.parametrize("over,name", [(dict(A=torch.rand(H)), "A"),
+                                       (dict(dt=torch.full((B_, L, H), math.nan)), "dt"),
+                                       (dict(seq_idx=torch.tensor([[0] * 20 + [1] * 20] * B_)
+                                             .flip(1).to(torch.int32)), "seq_idx")])
+def test_value_checks_on_request(over, name):
+    with pytest.raises(ValueError, match=rf"^{name}"):
+        validate(**good(**over), check_values=True)
+    with pytest.raises(ValueError, match="^x: must be a CUDA tensor"):  # off by default
+        validate(**good(**over))
+
+
+def test_chunk_seq_last_reads_each_chunks_last_valid_position():
+    seq = torch.tensor([[0] * 5 + [1] * 30 + [2] * 5])  # l = 40, q = 16: chunks end at 15, 31, 39
+    assert chunk_seq_last(seq, 16).tolist() == [[1, 1, 2]]
+    assert chunk_seq_last(seq, 64).tolist() == [[2]]

@@ -1,0 +1,81 @@
+"""CPU tests of the benchmark bookkeeping: the floor model, best-of and speedup tables, the
+recorded-results plumbing the GPU chapters use, and the results folder names."""
+import json
+import math
+
+import pytest
+
+from ssd import bench, nbutil
+from ssd.env import gpu_slug
+
+
+def test_floor_by_hand_on_a_tiny_shape():
+    # b=l-only problem: b1 l256 h1 p1 n1 g1. Bytes: x and y (2*256), dt (256), B and C (2*256)
+    # at 2 bytes, plus one fp32 final state: 2564. FLOPs at q (c = 256/q chunks), diagonal
+    # blocks halved: 1536 + 2c + 2 c q^2 -> q=64: 34312, q=128: 67076, q=256: 132610.
+    shape = bench.Shape("tiny", 1, 256, 1, 1, 1, 1)
+    f = bench.floor_ms(shape, dict(copy_bytes_per_s=1e9, bf16_flops_per_s=1e9))
+    assert f["floor_bytes"] == 2564
+    assert f["floor_flops"] == 34312
+    assert f["floor_bound"] == "compute"
+    assert f["floor_ms"] == pytest.approx(34312 / 1e9 * 1e3)
+    g = bench.floor_ms(shape, dict(copy_bytes_per_s=1e3, bf16_flops_per_s=1e12))
+    assert g["floor_bound"] == "memory" and g["floor_ms"] == pytest.approx(2564 / 1e3 * 1e3)
+
+
+def _rec(shape, impl, q, ms, mode="graph", l2="flushed"):
+    return dict(shape=shape, impl=impl, chunk_size=q, median_ms=ms, mode=mode, l2=l2)
+
+
+def test_best_records_and_speedups():
+    records = [_rec("a", "ssd", 256, 1.0), _rec("a", "mamba_ssm", 64, 3.0),
+               _rec("a", "mamba_ssm", 256, 2.0), _rec("b", "ssd", 256, 2.0),
+               _rec("b", "mamba_ssm", 128, 8.0), _rec("b", "mamba_ssm", 128, 0.1, mode="eager")]
+    best = bench.best_records(records, "mamba_ssm")
+    assert best["a"]["chunk_size"] == 256 and best["b"]["median_ms"] == 8.0
+    sp = bench.speedups(records)
+    assert sp["a"] == pytest.approx(2.0) and sp["b"] == pytest.approx(4.0)
+    assert sp["geomean"] == pytest.approx(math.sqrt(8.0))
+
+
+def test_suites_have_the_issue_shapes():
+    dims = {s.name: s.dims for s in bench.SUITES["models"]}
+    assert dims == {"130m": (8, 2048, 24, 64, 128, 1), "2.7b": (4, 4096, 80, 64, 128, 1),
+                    "long-16k": (1, 16384, 80, 64, 128, 1),
+                    "codestral-7b": (2, 8192, 128, 64, 128, 8),
+                    "small-state": (16, 1024, 32, 64, 64, 1)}
+    assert all(s.b * s.l == 65536 for s in bench.SUITES["seqlen"])
+
+
+def test_config_space_labels_are_distinct():
+    labels = [bench.config_label(q, c) for q, c in bench.config_space()]
+    assert len(labels) == len(set(labels)) == 12
+
+
+def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
+    monkeypatch.setattr(nbutil, "gpu_available", lambda: False)
+    with pytest.raises(FileNotFoundError, match="no recorded result"):
+        nbutil.live_or_recorded("thing", lambda: {"never": "called"})
+    (tmp_path / "h200").mkdir()
+    (tmp_path / "h200" / "thing.json").write_text(json.dumps(
+        {"value": 3, "environment": {"gpu": "NVIDIA H200", "date": "d", "git_revision": "r"}}))
+    got = nbutil.live_or_recorded("thing", lambda: {"never": "called"})
+    assert got["value"] == 3 and got["source"] == "recorded"
+    assert "No GPU here" in capsys.readouterr().out
+
+
+def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch):
+    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
+    monkeypatch.setattr(nbutil, "gpu_available", lambda: True)
+    monkeypatch.setattr(nbutil, "environment", lambda: {"gpu": "NVIDIA H100 80GB HBM3"})
+    got = nbutil.live_or_recorded("thing", lambda: {"value": 7})
+    assert got["source"] == "live"
+    saved = json.loads((tmp_path / "h100" / "thing.json").read_text())
+    assert saved == {"value": 7, "environment": {"gpu": "NVIDIA H100 80GB HBM3"}}
+
+
+@pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
+                                       ("NVIDIA GeForce RTX 5090", "5090"), (None, "cpu")])
+def test_results_folder_names(name, slug):
+    assert gpu_slug({"gpu": name}) == slug
