@@ -55,11 +55,12 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # number in the book: the GPU tests (results/<gpu>/gpu_tests.json), the benchmark suites and the
 # tiling study (results/<gpu>/<suite>.json), the first-call compile times, then re-execute the
 # GPU chapters so their stored outputs and recordings come from this run. Needs a GPU; CI never
-# runs it. Several minutes (the study compiles a dozen configurations).
+# runs it. Several minutes (the study compiles a dozen configurations); the GPU tests run in
+# 8 processes (pytest-xdist) because compiling the ~100 kernel variants they use dominates.
 GPU_PYTHON ?= python3
 gpu:
 	$(GPU_PYTHON) -m ssd doctor
-	$(GPU_PYTHON) -m pytest -m gpu tests/
+	$(GPU_PYTHON) -m pytest -m gpu -n 8 tests/
 	$(GPU_PYTHON) -m ssd.bench --suite models
 	$(GPU_PYTHON) -m ssd.bench --suite study
 	$(GPU_PYTHON) -m ssd.bench --suite first-call
