@@ -107,6 +107,11 @@ def make_inputs(shape: Shape, dtype="bfloat16", seed=0, device="cuda") -> dict:
     )
 
 
+def _forward_args(inputs):
+    """x, dt, A, B, C, D, dt_bias from a ``make_inputs`` dict, in the forward's order."""
+    return tuple(inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+
+
 def positive_dt(inputs):
     """dt' = softplus(dt + dt_bias) for peers that take the step already transformed."""
     import torch
@@ -123,7 +128,7 @@ def implementations(inputs, names=("ssd", "mamba_ssm", "tilegym"), config=None):
 
     from . import api, peers
 
-    x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    x, dt, A, B, C, D, bias = _forward_args(inputs)
     out, skipped = {}, {}
     if "ssd" in names:
         out["ssd"] = {OUR_CHUNK: lambda: api.mamba_chunk_scan_combined(
@@ -254,11 +259,12 @@ def gate(shape: Shape, inputs: dict, y, heads=2, tol=1.5e-2) -> float:
     last ``heads`` heads (full sequence). bf16 tolerance of the GPU tests."""
     from .problem import ProblemSpec
 
+    if heads > shape.h // shape.g:
+        raise ValueError(f"heads: the gate checks heads of one group (at most {shape.h // shape.g})")
     hs = slice(shape.h - heads, shape.h)
-    gsel = slice(((shape.h - heads) * shape.g) // shape.h, shape.g)
-    spec = ProblemSpec(1, shape.l, heads, shape.p, shape.n,
-                       len(range(shape.g)[gsel]) if shape.g > 1 else 1,
-                       chunk_size=256, D="h", dt_bias=True, dt_softplus=True, name=shape.name)
+    gsel = slice(shape.g - 1, shape.g)  # the last heads read the last group's B and C
+    spec = ProblemSpec(1, shape.l, heads, shape.p, shape.n, 1, chunk_size=256, D="h",
+                       dt_bias=True, dt_softplus=True, name=shape.name)
     np64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
     sl = dict(x=np64(inputs["x"][-1:, :, hs]), dt=np64(inputs["dt"][-1:, :, hs]),
               A=np64(inputs["A"][hs]), B=np64(inputs["B"][-1:, :, gsel]),
@@ -280,7 +286,7 @@ def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
     from . import api, chunk_cumsum, chunk_scan, chunk_state, state_passing
 
     config = (config or default_config()).for_problem(chunk_size, inputs["x"].shape[-1])
-    x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    x, dt, A, B, C, D, bias = _forward_args(inputs)
     r = api.forward_stages(x, dt, A, B, C, chunk_size, D=D, dt_bias=bias, dt_softplus=True,
                            config=config)
     t = {}
@@ -305,6 +311,8 @@ def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
 
 def mamba_ssm_stage_times(inputs, chunk_size, reps=30) -> dict:
     """Per-stage times (ms, eager, L2 flushed) of mamba_ssm's five Triton kernels."""
+    import torch
+
     from . import peers
 
     peers.mamba_ssm_forward()  # makes mamba_ssm's Triton submodules importable
@@ -313,20 +321,20 @@ def mamba_ssm_stage_times(inputs, chunk_size, reps=30) -> dict:
     from mamba_ssm.ops.triton.ssd_chunk_state import _chunk_cumsum_fwd, _chunk_state_fwd
     from mamba_ssm.ops.triton.ssd_state_passing import _state_passing_fwd
 
-    x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+    x, dt, A, B, C, D, bias = _forward_args(inputs)
     b, l, h, p = x.shape
     dA, dto = _chunk_cumsum_fwd(dt, A, chunk_size, dt_bias=bias, dt_softplus=True)
     st = _chunk_state_fwd(B, x, dto, dA, states_in_fp32=True)
     flat = st.reshape(*st.shape[:-2], -1)
     prev, _ = _state_passing_fwd(flat, dA[:, :, :, -1], chunk_size=chunk_size, out_dtype=C.dtype)
     prev = prev.reshape(st.shape)
-    cb = _bmm_chunk_fwd(C, B, chunk_size, output_dtype=__import__("torch").float32)
+    cb = _bmm_chunk_fwd(C, B, chunk_size, output_dtype=torch.float32)
     run = {
         "chunk_cumsum": lambda: _chunk_cumsum_fwd(dt, A, chunk_size, dt_bias=bias, dt_softplus=True),
         "chunk_state": lambda: _chunk_state_fwd(B, x, dto, dA, states_in_fp32=True),
         "state_passing": lambda: _state_passing_fwd(flat, dA[:, :, :, -1], chunk_size=chunk_size,
                                                     out_dtype=C.dtype),
-        "bmm": lambda: _bmm_chunk_fwd(C, B, chunk_size, output_dtype=__import__("torch").float32),
+        "bmm": lambda: _bmm_chunk_fwd(C, B, chunk_size, output_dtype=torch.float32),
         "chunk_scan": lambda: _chunk_scan_fwd(cb, x, dto, dA, C, prev, D=D),
     }
     return {k: time_fn(f, mode="eager", reps=reps)["median_ms"] for k, f in run.items()}
@@ -476,7 +484,7 @@ def run_study(shapes, space=None, reps=30) -> dict:
     rows = []
     for shape in _progress(shapes, "study"):
         inputs = make_inputs(shape)
-        x, dt, A, B, C, D, bias = (inputs[k] for k in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
+        x, dt, A, B, C, D, bias = _forward_args(inputs)
         for q, cfg in space:
             fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
                 x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)

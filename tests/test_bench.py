@@ -79,3 +79,20 @@ def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch
                                        ("NVIDIA GeForce RTX 5090", "5090"), (None, "cpu")])
 def test_results_folder_names(name, slug):
     assert gpu_slug({"gpu": name}) == slug
+
+
+def test_gate_passes_the_reference_and_fails_a_wrong_output():
+    torch = pytest.importorskip("torch")
+    from ssd.reference import ssd_chunked
+
+    shape = bench.Shape("tiny-g2", 2, 300, 4, 8, 16, 2)
+    inputs = bench.make_inputs(shape, dtype="float32", device="cpu")
+    np64 = {k: v.double().numpy() for k, v in inputs.items()}
+    y = torch.from_numpy(ssd_chunked(np64["x"], np64["dt"], np64["A"], np64["B"], np64["C"], 64,
+                                     D=np64["D"], dt_bias=np64["dt_bias"], dt_softplus=True))
+    assert 0 <= bench.gate(shape, inputs, y) < 1e-12
+    wrong = y.clone()
+    wrong[-1, :, -1] *= 1.1  # the last head of the last batch row: inside the gated slice
+    assert bench.gate(shape, inputs, wrong) < 0
+    with pytest.raises(ValueError, match="^heads"):
+        bench.gate(shape, inputs, y, heads=3)
