@@ -36,7 +36,8 @@ def capture_forward(dtype: str, features: bool, fused: bool, chunk_size: int = 2
     from .config import SSDConfig, StateConfig, default_config
 
     t = getattr(torch, dtype)
-    b, l, h, p, n, g = 2, chunk_size + chunk_size // 2, 4, 64, 128, 2
+    # Two heads per group at least, so chunk_scan's head block (block_h) is compiled as shipped.
+    b, l, h, p, n, g = 2, chunk_size + chunk_size // 2, 8, 64, 128, 2
     x = torch.randn(b, l, h, p, dtype=t)
     B, C = torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, g, n, dtype=t)
     dt, A = torch.rand(b, l, h, dtype=t), -torch.rand(h)

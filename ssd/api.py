@@ -129,7 +129,8 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         y (b, l, h, p) in x's dtype.
     """
     config = (config or default_config(torch.cuda.get_device_capability(x.device)))
-    config = config.for_problem(chunk_size, x.shape[-1])
+    config = config.for_problem(chunk_size, x.shape[-1], B.shape[-1], x.shape[2] // B.shape[2],
+                                input_dtype=str(x.dtype).removeprefix("torch."))
     out = outputs or {}
     x, z, B, C, dt = (_last_dim_contiguous(t) for t in (x, z, B, C, dt))
     seq_last = None

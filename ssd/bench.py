@@ -285,7 +285,10 @@ def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
     """Per-stage times (ms, eager, L2 flushed) of ours, from the intermediates of one run."""
     from . import api, chunk_cumsum, chunk_scan, chunk_state, state_passing
 
-    config = (config or default_config()).for_problem(chunk_size, inputs["x"].shape[-1])
+    config = (config or default_config()).for_problem(
+        chunk_size, inputs["x"].shape[-1], inputs["B"].shape[-1],
+        inputs["x"].shape[2] // inputs["B"].shape[2],
+        input_dtype=str(inputs["x"].dtype).removeprefix("torch."))
     x, dt, A, B, C, D, bias = _forward_args(inputs)
     r = api.forward_stages(x, dt, A, B, C, chunk_size, D=D, dt_bias=bias, dt_softplus=True,
                            config=config)
@@ -454,24 +457,41 @@ def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
 
 
 def config_space():
-    """The searched space of the tiling study: (chunk_size, SSDConfig) pairs.
+    """The searched space of the tiling study: (factor, chunk_size, SSDConfig) triples.
 
-    Layout choices at both production chunk sizes (fused vs split stage 2, fp32 vs bf16
-    entering states), then chunk_scan tile shapes around the default at q = 256.
+    One factor at a time around the shipped default at chunk size ``OUR_CHUNK`` (the first
+    triple): the chunk size; stage 2 (fused or split, entering-state dtype, the state slice
+    ``block_n``, the occupancy hint); chunk_scan (heads per block, occupancy hint, tile shape).
+    Choices interact, so this is not a grid: it shows what each knob is worth at the default.
     """
     from .config import ScanConfig
 
-    space = [(q, SSDConfig(state=StateConfig(fused=fused, state_dtype=sd)))
-             for q in (128, 256) for fused in (True, False) for sd in ("float32", "bfloat16")]
-    for bm, bs, bp in ((128, 64, 64), (64, 32, 64), (64, 64, 32), (128, 64, 32)):
-        space.append((256, SSDConfig(scan=ScanConfig(block_m=bm, block_s=bs, block_p=bp),
-                                     state=StateConfig(block_p=bp))))
+    d = default_config((9, 0))
+    st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
+    sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
+    space = [("default", OUR_CHUNK, d)]
+    space += [("chunk size", q, d) for q in (64, 128) if q != OUR_CHUNK]
+    space += [("stage 2 split", OUR_CHUNK, st(fused=False))]
+    space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
+    space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 64, 128)
+              if v != d.state.block_n]
+    space += [("state occupancy", OUR_CHUNK, st(occupancy=v)) for v in (None, 1, 4)
+              if v != d.state.occupancy]
+    space += [("scan block_h", OUR_CHUNK, sc(block_h=v)) for v in (1, 4) if v != d.scan.block_h]
+    space += [("scan occupancy", OUR_CHUNK, sc(occupancy=v)) for v in (None, 1, 3)
+              if v != d.scan.occupancy]
+    space += [("scan tile", OUR_CHUNK, replace(d, scan=ScanConfig(
+        block_h=d.scan.block_h, block_m=bm, block_s=bs, block_p=bp, occupancy=d.scan.occupancy)))
+        for bm, bs, bp in ((128, 64, 64), (64, 32, 64), (64, 64, 32))]
     return space
 
 
 def config_label(q, cfg: SSDConfig) -> str:
-    return (f"q{q} {'fused' if cfg.state.fused else 'split'} st={cfg.state.state_dtype[:4]} "
-            f"m{cfg.scan.block_m} s{cfg.scan.block_s} p{cfg.scan.block_p}")
+    st, sc = cfg.state, cfg.scan
+    dtype = {"input": "in", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[st.state_dtype]
+    return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n} "
+            f"o{st.occupancy or '-'} | h{sc.block_h} m{sc.block_m} s{sc.block_s} "
+            f"p{sc.block_p} o{sc.occupancy or '-'}")
 
 
 def run_study(shapes, space=None, reps=30) -> dict:
@@ -485,7 +505,7 @@ def run_study(shapes, space=None, reps=30) -> dict:
     for shape in _progress(shapes, "study"):
         inputs = make_inputs(shape)
         x, dt, A, B, C, D, bias = _forward_args(inputs)
-        for q, cfg in space:
+        for factor, q, cfg in space:
             fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
                 x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)
             start = time.perf_counter()
@@ -495,7 +515,7 @@ def run_study(shapes, space=None, reps=30) -> dict:
             err = gate(shape, inputs, y)
             stats = time_fn(fn, mode="graph", l2="flushed", reps=reps)
             rows.append(dict(shape=shape.name, dims=list(shape.dims), chunk_size=q,
-                             label=config_label(q, cfg), config=asdict(cfg), gate_rel_err=err,
+                             factor=factor, label=config_label(q, cfg), config=asdict(cfg), gate_rel_err=err,
                              first_call_s=first, **stats))
         del inputs
         torch.cuda.empty_cache()

@@ -7,10 +7,13 @@ For a position t of chunk c (head h, its group's B and C)::
          + D x[t]
     y[t] *= silu(z[t])                                                                          (if z)
 
-A block owns ``BLOCK_M`` rows of one chunk and ``BLOCK_P`` channels of one head. It walks the
-causal prefix of its rows ``BLOCK_S`` columns at a time, like causal flash attention: the
-[BLOCK_M, BLOCK_S] tile of C Bᵀ, its decay and mask live only in registers and are consumed by
-the next MMA; the chunk x chunk matrix is never written to memory. Packed sequences (seq_idx)
+A block owns ``BLOCK_M`` rows of one chunk and ``BLOCK_P`` channels of ``BLOCK_H`` heads of
+one group. It walks the causal prefix of its rows ``BLOCK_S`` columns at a time, like causal
+flash attention: the [BLOCK_M, BLOCK_S] tile of C Bᵀ, its decay and mask live only in
+registers and are consumed by the next MMA; the chunk x chunk matrix is never written to
+memory. C Bᵀ depends on the group, not the head, so the block's heads share one C Bᵀ tile:
+with one group (the Mamba-2 models) ``BLOCK_H`` heads cost one C Bᵀ MMA instead of
+``BLOCK_H``. Packed sequences (seq_idx)
 mask the diagonal block to pairs in the same sequence and drop the entering state for rows
 whose sequence started inside the chunk.
 """
@@ -28,10 +31,10 @@ ZERO = ct.PaddingMode.ZERO
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32):
+def build_kernel(index_dtype=ct.int32, occupancy=None):
     Array = array_type(index_dtype)
 
-    @ct.kernel
+    @ct.kernel(occupancy=occupancy)
     def chunk_scan_kernel(
         x: Array,            # (b, l, h, p)
         B: Array,            # (b, l, g, n)
@@ -49,6 +52,7 @@ def build_kernel(index_dtype=ct.int32):
         heads_per_group: int,
         p_tiles: int,        # cdiv(p, BLOCK_P)
         Q: ConstInt,
+        BLOCK_H: ConstInt,
         BLOCK_M: ConstInt,
         BLOCK_S: ConstInt,
         BLOCK_P: ConstInt,
@@ -57,20 +61,25 @@ def build_kernel(index_dtype=ct.int32):
         HAS_Z: ConstBool,
         HAS_SEQ: ConstBool,
     ):
-        """Grid: (b * c, cdiv(q, BLOCK_M), h * cdiv(p, BLOCK_P))."""
+        """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)).
+
+        Tiles carry a leading BLOCK_H axis: the block's heads (all in one group) share C, B
+        and therefore the C Bᵀ tile, which is computed once per column block and reused by
+        BLOCK_H batched MMAs. Per-head data (decays, dt', x, states) is [H, ...].
+        """
         ib = ct.bid(0) // nchunks
         ic = ct.bid(0) % nchunks
         im = ct.bid(1)
-        ih = ct.bid(2) // p_tiles
+        jh = ct.bid(2) // p_tiles  # head block: heads jh*BLOCK_H ... (jh+1)*BLOCK_H - 1
         ip = ct.bid(2) % p_tiles
-        ig = ih // heads_per_group
+        ig = (jh * BLOCK_H) // heads_per_group
         row0 = ic * Q + im * BLOCK_M  # first sequence position of this block's rows
         rows_per_chunk = Q // BLOCK_M
         # A tile entirely past the end of the sequence is undefined for load/store: skip it.
         if row0 < seqlen:
             trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
-            dacs_t = ct.load(dA_cumsum, index=(ib, ih, ic, im), shape=(1, 1, 1, BLOCK_M))
-            dacs_t = dacs_t.reshape((BLOCK_M,))  # [M]
+            dacs_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
+            dacs_t = dacs_t.reshape((BLOCK_H, BLOCK_M))  # [H, M]
             c_t = ct.load(C, index=(ib, ic * rows_per_chunk + im, ig, 0),
                           shape=(1, BLOCK_M, 1, N_PAD), padding_mode=ZERO)
             c_t = c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype)  # [M, N]
@@ -78,18 +87,20 @@ def build_kernel(index_dtype=ct.int32):
                 seq_t = ct.load(seq_idx, index=(ib, ic * rows_per_chunk + im),
                                 shape=(1, BLOCK_M), padding_mode=ZERO).reshape((BLOCK_M,))
 
-            # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [M, P]
-            prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
-                           padding_mode=ZERO)
-            prev = prev.reshape((BLOCK_P, N_PAD)).astype(x.dtype)  # [P, N], MMA in input dtype
-            acc = ct.mma(c_t, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
-            scale_t = ct.exp2(dacs_t * LOG2E)  # [M], <= 1
+            # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [H, M, P]
+            prev = ct.load(prev_states, index=(ib, ic, jh, ip, 0),
+                           shape=(1, 1, BLOCK_H, BLOCK_P, N_PAD), padding_mode=ZERO)
+            prev = prev.reshape((BLOCK_H, BLOCK_P, N_PAD)).astype(x.dtype)  # MMA in input dtype
+            acc = ct.mma(ct.broadcast_to(c_t[None, :, :], (BLOCK_H, BLOCK_M, N_PAD)),
+                         ct.permute(prev, (0, 2, 1)),
+                         ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))
+            scale_t = ct.exp2(dacs_t * LOG2E)  # [H, M], <= 1
             if HAS_SEQ:
                 # The entering state belongs to the sequence that was running at the chunk start.
                 prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
                 prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
-                scale_t = ct.where(seq_t == prev_seq, scale_t, 0.0)
-            acc = acc * scale_t[:, None]
+                scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
+            acc = acc * scale_t[:, :, None]
 
             # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row.
             s_per_chunk = Q // BLOCK_S
@@ -99,8 +110,8 @@ def build_kernel(index_dtype=ct.int32):
                               shape=(1, BLOCK_S, 1, N_PAD), padding_mode=ZERO)
                 b_s = b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype)  # [S, N]
                 cb = ct.mma(c_t, ct.transpose(b_s), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))
-                dacs_s = ct.load(dA_cumsum, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
-                dt_s = ct.load(dt_out, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
+                dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
+                dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
                 scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
                 keep = trow[:, None] >= scol[None, :]  # [M, S] causal
                 if HAS_SEQ:
@@ -109,27 +120,29 @@ def build_kernel(index_dtype=ct.int32):
                     keep = keep & (seq_t[:, None] == seq_s[None, :])
                 # Mask the exponent, not the product: above the diagonal dA_cumsum[t] - dA_cumsum[s]
                 # is positive and exp() of it could overflow to inf, and inf * 0 = NaN.
-                seg = dacs_t[:, None] - dacs_s.reshape((BLOCK_S,))[None, :]  # [M, S]
-                seg = ct.where(keep, seg, -float("inf"))
-                w = cb * ct.exp2(seg * LOG2E) * dt_s.reshape((BLOCK_S,))[None, :]  # [M, S] fp32
-                x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, ih, ip),
-                              shape=(1, BLOCK_S, 1, BLOCK_P), padding_mode=ZERO)
-                x_s = x_s.reshape((BLOCK_S, BLOCK_P))  # [S, P]
-                acc = ct.mma(w.astype(x.dtype), x_s, acc)  # [M, P]
+                seg = dacs_t[:, :, None] - dacs_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]  # [H, M, S]
+                seg = ct.where(keep[None, :, :], seg, -float("inf"))
+                w = cb[None, :, :] * ct.exp2(seg * LOG2E) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
+                x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
+                              shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
+                acc = ct.mma(w.astype(x.dtype), x_s, acc)  # [H, M, P]
 
             # 3. Skip connection and gate, in fp32.
             if HAS_D:
-                x_t = ct.load(x, index=(ib, ic * rows_per_chunk + im, ih, ip),
-                              shape=(1, BLOCK_M, 1, BLOCK_P), padding_mode=ZERO)
-                d = ct.load(D, index=(ih, ip), shape=(1, BLOCK_P), padding_mode=ZERO)
-                acc = acc + x_t.reshape((BLOCK_M, BLOCK_P)).astype(ct.float32) * d
+                x_t = ct.load(x, index=(ib, ic * rows_per_chunk + im, jh, ip),
+                              shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
+                d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                acc = acc + x_t.astype(ct.float32) * d[:, None, :]
             if HAS_Z:
-                z_t = ct.load(z, index=(ib, ic * rows_per_chunk + im, ih, ip),
-                              shape=(1, BLOCK_M, 1, BLOCK_P), padding_mode=ZERO)
-                z_t = z_t.reshape((BLOCK_M, BLOCK_P)).astype(ct.float32)
+                z_t = ct.load(z, index=(ib, ic * rows_per_chunk + im, jh, ip),
+                              shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                z_t = ct.permute(z_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))
+                z_t = z_t.astype(ct.float32)
                 acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
-            ct.store(y, index=(ib, ic * rows_per_chunk + im, ih, ip),
-                     tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))
+            out = ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
+            ct.store(y, index=(ib, ic * rows_per_chunk + im, jh, ip), tile=out.astype(y.dtype))
 
     return chunk_scan_kernel
 
@@ -156,13 +169,16 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     dev = x.device
     if D is not None:
         D = (D[:, None].expand(h, p) if D.dim() == 1 else D).to(torch.float32).contiguous()
-    kernel = build_kernel(index_dtype_for(x, z, out, prev_states))
+    if (h // g) % config.block_h:
+        raise ValueError(f"block_h={config.block_h} must divide the heads per group ({h // g}); "
+                         "SSDConfig.for_problem picks one that does")
+    kernel = build_kernel(index_dtype_for(x, z, out, prev_states), config.occupancy)
     p_tiles = -(-p // config.block_p)
-    grid = (b * nchunks, q // config.block_m, h * p_tiles)
+    grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)
     launch(kernel, grid, (x, B, C, dt_out, dA_cumsum, prev_states,
                           optional(D, 2, torch.float32, dev), optional(z, 4, x.dtype, dev),
                           optional(seq_idx, 2, torch.int32, dev),
                           optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles, q,
-                          config.block_m, config.block_s, config.block_p, next_pow2(n),
+                          config.block_h, config.block_m, config.block_s, config.block_p, next_pow2(n),
                           D is not None, z is not None, seq_idx is not None), device=dev)
     return out

@@ -26,10 +26,10 @@ ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the native unit
 
 
-def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip,
-                     Q, BLOCK_K, BLOCK_P, N_PAD, HAS_SEQ):
-    """Tile code: the [BLOCK_P, N_PAD] fp32 state of chunk ``ic`` for head ``ih`` (group ``ig``),
-    channels ``ip*BLOCK_P ...``.
+def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip, jn,
+                     Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ):
+    """Tile code: the [BLOCK_P, BLOCK_N] fp32 state of chunk ``ic`` for head ``ih`` (group
+    ``ig``), channels ``ip*BLOCK_P ...``, state entries ``jn*BLOCK_N ...``.
 
     The chunk is consumed BLOCK_K positions at a time (the MMA's K loop): a whole 256-long
     chunk of x and B would not fit in registers next to the accumulator. K blocks that lie
@@ -41,13 +41,13 @@ def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic,
         seq_end = ct.load(seq_last, index=(ib, ic), shape=(1, 1)).reshape((1,))
     k_per_chunk = Q // BLOCK_K
     k_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)
-    acc = ct.zeros((BLOCK_P, N_PAD), dtype=ct.float32)
+    acc = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     for kk in range(k_end):
         row = ic * k_per_chunk + kk  # tile index along l in units of BLOCK_K
         xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=ZERO)
         xk = xk.reshape((BLOCK_K, BLOCK_P))  # [K, P]
-        bk = ct.load(B, index=(ib, row, ig, 0), shape=(1, BLOCK_K, 1, N_PAD), padding_mode=ZERO)
-        bk = bk.reshape((BLOCK_K, N_PAD)).astype(ct.float32)  # [K, N]
+        bk = ct.load(B, index=(ib, row, ig, jn), shape=(1, BLOCK_K, 1, BLOCK_N), padding_mode=ZERO)
+        bk = bk.reshape((BLOCK_K, BLOCK_N)).astype(ct.float32)  # [K, N]
         dacs = ct.load(dA_cumsum, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
         dtk = ct.load(dt_out, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
         # last - dacs <= 0 because the cumulative log-decay only falls: exp2 never overflows.
@@ -62,10 +62,10 @@ def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic,
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32):
+def build_kernel(index_dtype=ct.int32, occupancy=None):
     Array = array_type(index_dtype)
 
-    @ct.kernel
+    @ct.kernel(occupancy=occupancy)
     def chunk_state_kernel(
         x: Array,          # (b, l, h, p)
         B: Array,          # (b, l, g, n)
@@ -77,21 +77,23 @@ def build_kernel(index_dtype=ct.int32):
         seqlen: int,
         nchunks: int,
         heads_per_group: int,
+        n_tiles: int,      # cdiv(n, BLOCK_N)
         Q: ConstInt,
         BLOCK_K: ConstInt,
         BLOCK_P: ConstInt,
-        N_PAD: ConstInt,
+        BLOCK_N: ConstInt,
         HAS_SEQ: ConstBool,
     ):
-        """Grid: (b * c, h, cdiv(p, BLOCK_P)); every chunk independently."""
+        """Grid: (b * c, h, cdiv(p, BLOCK_P) * cdiv(n, BLOCK_N)); every chunk independently."""
         ib = ct.bid(0) // nchunks
         ic = ct.bid(0) % nchunks
         ih = ct.bid(1)
-        ip = ct.bid(2)
+        ip = ct.bid(2) // n_tiles
+        jn = ct.bid(2) % n_tiles
         st = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
-                              ih // heads_per_group, ip, Q, BLOCK_K, BLOCK_P, N_PAD, HAS_SEQ)
-        ct.store(states, index=(ib, ic, ih, ip, 0),
-                 tile=st.reshape((1, 1, 1, BLOCK_P, N_PAD)).astype(states.dtype))
+                              ih // heads_per_group, ip, jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ)
+        ct.store(states, index=(ib, ic, ih, ip, jn),
+                 tile=st.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
 
     return chunk_state_kernel
 
@@ -121,9 +123,11 @@ def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,
     has_seq = seq_idx is not None
     seq_idx = optional(seq_idx, 2, torch.int32, x.device)
     seq_last = optional(seq_last, 2, torch.int32, x.device)
-    kernel = build_kernel(index_dtype_for(x, B, out))
-    grid = (b * nchunks, h, -(-p // config.block_p))
-    launch(kernel, grid, (x, B, dt_out, dA_cumsum, seq_idx, seq_last, out, l, nchunks, h // g, q,
-                          min(config.block_k, q), config.block_p, next_pow2(n), has_seq),
+    kernel = build_kernel(index_dtype_for(x, B, out), config.occupancy)
+    block_n = min(config.block_n, next_pow2(n))
+    n_tiles = -(-n // block_n)
+    grid = (b * nchunks, h, -(-p // config.block_p) * n_tiles)
+    launch(kernel, grid, (x, B, dt_out, dA_cumsum, seq_idx, seq_last, out, l, nchunks, h // g,
+                          n_tiles, q, min(config.block_k, q), config.block_p, block_n, has_seq),
            device=x.device)
     return out

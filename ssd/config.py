@@ -31,43 +31,65 @@ class CumsumConfig:
         _check_pow2("block_h", self.block_h)
 
 
+STATE_DTYPES = ("input", "float32", "bfloat16", "float16")
+
+
+def _check_occupancy(value) -> None:
+    if value is not None and not (isinstance(value, int) and 1 <= value <= 32):
+        raise ValueError(f"occupancy: expected None (compiler's choice) or 1..32, got {value!r}")
+
+
 @dataclass(frozen=True)
 class StateConfig:
-    """Stage 2 (chunk_state + state_passing). A block owns ``block_p`` channels of one head
-    and reads its chunk ``block_k`` positions at a time (the K loop of x_cᵀ (w B_c)).
+    """Stage 2 (chunk_state + state_passing). A block owns a ``block_p`` x ``block_n`` slice
+    of one head's state and reads its chunk ``block_k`` positions at a time (the K loop of
+    x_cᵀ (w B_c)). Slicing the state dimension n as well as p multiplies the number of
+    blocks, which is what the fused kernel's sequential walk over chunks needs to fill the GPU.
 
     fused: one kernel walks the chunks of a (batch, head, ``block_p`` slice) in order, computing
         each chunk's state on chip and carrying the running state in registers (the per-chunk
         states never reach memory). Split: chunk_state writes every chunk's state, then
         state_passing scans them; more parallel, one extra round trip of the states.
-    state_dtype: dtype of the entering states that stage 3 reads ("float32" or "bfloat16");
-        the running sum is always fp32.
+    state_dtype: dtype of the entering states that stage 3 reads: "input" (x's dtype, what
+        mamba_ssm stores), "float32" or "bfloat16"; the running sum is always fp32.
+    occupancy: compiler hint, expected resident blocks per SM (None: the compiler's choice).
     """
 
     block_p: int = 64
+    block_n: int = 32
     block_k: int = 64
     fused: bool = True
-    state_dtype: str = "float32"
+    state_dtype: str = "input"
+    occupancy: int | None = 2
 
     def __post_init__(self):
-        _check_pow2("block_p", self.block_p)
-        _check_pow2("block_k", self.block_k)
-        if self.state_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"state_dtype: expected 'float32' or 'bfloat16', got {self.state_dtype!r}")
+        for name in ("block_p", "block_n", "block_k"):
+            _check_pow2(name, getattr(self, name))
+        _check_occupancy(self.occupancy)
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype: expected one of {STATE_DTYPES}, got {self.state_dtype!r}")
+
+    def storage_dtype(self, input_dtype: str) -> str:
+        """The entering states' dtype name for inputs of dtype ``input_dtype`` ("bfloat16", ...)."""
+        return input_dtype if self.state_dtype == "input" else self.state_dtype
 
 
 @dataclass(frozen=True)
 class ScanConfig:
     """Stage 3 (chunk_scan): a block owns ``block_m`` output rows of one chunk and ``block_p``
-    channels of one head, and walks the chunk's causal prefix ``block_s`` columns at a time."""
+    channels of ``block_h`` heads of one group (they share the C Bᵀ tile), and walks the
+    chunk's causal prefix ``block_s`` columns at a time. ``occupancy`` as in StateConfig."""
 
+    block_h: int = 2
     block_m: int = 64
     block_s: int = 64
     block_p: int = 64
+    occupancy: int | None = 2
 
     def __post_init__(self):
-        for name in ("block_m", "block_s", "block_p"):
+        for name in ("block_h", "block_m", "block_s", "block_p"):
             _check_pow2(name, getattr(self, name))
+        _check_occupancy(self.occupancy)
         if self.block_m % self.block_s:
             raise ValueError(f"block_s: must divide block_m={self.block_m}, got {self.block_s}")
 
@@ -78,14 +100,28 @@ class SSDConfig:
     state: StateConfig = field(default_factory=StateConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
 
-    def for_problem(self, chunk_size: int, headdim: int) -> "SSDConfig":
-        """Clamp tiles that would exceed the problem (a tile longer than the chunk or the head)."""
-        p = 1 << max(headdim - 1, 0).bit_length()  # next power of two >= headdim
-        scan = replace(self.scan, block_m=min(self.scan.block_m, chunk_size),
+    def for_problem(self, chunk_size: int, headdim: int, dstate: int, heads_per_group: int,
+                    input_dtype: str | None = None) -> "SSDConfig":
+        """Clamp tiles that would exceed the problem (a tile longer than the chunk, the head or
+        the state), shrink chunk_scan's head block to a power of two dividing the heads per
+        group (a block's heads must share one group), and, given the inputs' dtype name
+        ("bfloat16", ...), resolve ``state_dtype="input"`` to it."""
+        p = _next_pow2(headdim)
+        block_h = self.scan.block_h
+        while heads_per_group % block_h:
+            block_h //= 2
+        scan = replace(self.scan, block_h=block_h, block_m=min(self.scan.block_m, chunk_size),
                        block_s=min(self.scan.block_s, chunk_size, self.scan.block_m),
                        block_p=min(self.scan.block_p, p))
-        state = replace(self.state, block_p=min(self.state.block_p, p))
+        state = replace(self.state, block_p=min(self.state.block_p, p),
+                        block_n=min(self.state.block_n, _next_pow2(dstate)))
+        if input_dtype is not None:
+            state = replace(state, state_dtype=state.storage_dtype(input_dtype))
         return replace(self, scan=scan, state=state)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 # Per-architecture defaults, keyed by compute-capability major. Only 9 (Hopper) is measured.

@@ -7,14 +7,17 @@ With packed sequences the carry is dropped (factor 0) where the sequence at the 
 differs from the one at the end of chunk c-1 (a virtual seq_idx of 0 precedes the first chunk,
 so initial states only feed a batch row whose first sequence has id 0, as in mamba_ssm).
 
-Two kernels:
+One kernel, two modes (the ``FUSED`` constant):
 
-* :func:`state_passing` scans the per-chunk states written by :mod:`ssd.chunk_state` (split).
-* :func:`chunk_state_passing` is the fused stage 2: each block walks its chunks in order,
-  computes every chunk's state on chip with :func:`ssd.chunk_state.chunk_state_tile` and adds
-  it to the running state in registers, so the per-chunk states never go to memory. Its
-  parallelism is b * h * cdiv(p, block_p) blocks instead of b * c * h * ..., which is the
-  trade-off measured in the Performance chapter.
+* split (:func:`state_passing`): scans the per-chunk states written by :mod:`ssd.chunk_state`.
+* fused (:func:`chunk_state_passing`): each block walks its chunks in order, computes every
+  chunk's state on chip with :func:`ssd.chunk_state.chunk_state_tile` and adds it to the
+  running state in registers, so the per-chunk states never go to memory.
+
+Either way a block owns a ``BLOCK_P`` x ``BLOCK_N`` slice of one head's state, so the
+parallelism is b * h * cdiv(p, BLOCK_P) * cdiv(n, BLOCK_N) blocks, each walking all chunks:
+the trade-off against chunk_state's b * c * h * ... blocks is measured in the Performance
+chapter.
 """
 import functools
 
@@ -41,103 +44,99 @@ def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ):
     return factor, seq_end
 
 
-def load_initial(initial_states, ib, ih, ip, BLOCK_P, N_PAD, HAS_INIT):
-    """Tile code: the [BLOCK_P, N_PAD] fp32 state before the first chunk."""
-    if HAS_INIT:
-        init = ct.load(initial_states, index=(ib, ih, ip, 0), shape=(1, 1, BLOCK_P, N_PAD),
-                       padding_mode=ZERO)
-        return init.reshape((BLOCK_P, N_PAD)).astype(ct.float32)
-    return ct.zeros((BLOCK_P, N_PAD), dtype=ct.float32)
-
-
 @functools.lru_cache(maxsize=None)
-def build_split_kernel(index_dtype=ct.int32):
+def build_kernel(index_dtype=ct.int32, occupancy=None):
     Array = array_type(index_dtype)
 
-    @ct.kernel
+    @ct.kernel(occupancy=occupancy)
     def state_passing_kernel(
-        states: Array,          # (b, c, h, p, n) fp32, from chunk_state
+        x: Array,               # (b, l, h, p) (fused only)
+        B: Array,               # (b, l, g, n) (fused only)
+        dt_out: Array,          # (b, h, c, q) fp32 (fused only)
         dA_cumsum: Array,       # (b, h, c, q) fp32
+        states: Array,          # (b, c, h, p, n) fp32 from chunk_state (split only)
         initial_states: Array,  # (b, h, p, n) (ignored unless HAS_INIT)
+        seq_idx: Array,         # (b, l) int32 (fused with HAS_SEQ only)
         seq_last: Array,        # (b, c) int32 (ignored unless HAS_SEQ)
         prev_states: Array,     # (b, c, h, p, n) out: state entering each chunk
-        final_states: Array,    # (b, h, p, n) fp32 out
-        nchunks: int,
-        Q: ConstInt,
-        BLOCK_P: ConstInt,
-        N_PAD: ConstInt,
-        HAS_INIT: ConstBool,
-        HAS_SEQ: ConstBool,
-    ):
-        """Grid: (b, h, cdiv(p, BLOCK_P)); each block scans all chunks in order."""
-        ib = ct.bid(0)
-        ih = ct.bid(1)
-        ip = ct.bid(2)
-        state = load_initial(initial_states, ib, ih, ip, BLOCK_P, N_PAD, HAS_INIT)  # [P, N]
-        prev_seq = ct.zeros((1, 1), dtype=ct.int32)
-        for ic in range(nchunks):
-            ct.store(prev_states, index=(ib, ic, ih, ip, 0),
-                     tile=state.reshape((1, 1, 1, BLOCK_P, N_PAD)).astype(prev_states.dtype))
-            factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
-            new = ct.load(states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD))
-            state = state * factor + new.reshape((BLOCK_P, N_PAD))
-        ct.store(final_states, index=(ib, ih, ip, 0), tile=state.reshape((1, 1, BLOCK_P, N_PAD)))
-
-    return state_passing_kernel
-
-
-@functools.lru_cache(maxsize=None)
-def build_fused_kernel(index_dtype=ct.int32):
-    Array = array_type(index_dtype)
-
-    @ct.kernel
-    def chunk_state_passing_kernel(
-        x: Array,               # (b, l, h, p)
-        B: Array,               # (b, l, g, n)
-        dt_out: Array,          # (b, h, c, q) fp32
-        dA_cumsum: Array,       # (b, h, c, q) fp32
-        initial_states: Array,  # (b, h, p, n) (ignored unless HAS_INIT)
-        seq_idx: Array,         # (b, l) int32 (ignored unless HAS_SEQ)
-        seq_last: Array,        # (b, c) int32 (ignored unless HAS_SEQ)
-        prev_states: Array,     # (b, c, h, p, n) out
         final_states: Array,    # (b, h, p, n) fp32 out
         seqlen: int,
         nchunks: int,
         heads_per_group: int,
+        n_tiles: int,           # cdiv(n, BLOCK_N)
         Q: ConstInt,
         BLOCK_K: ConstInt,
         BLOCK_P: ConstInt,
-        N_PAD: ConstInt,
+        BLOCK_N: ConstInt,
+        FUSED: ConstBool,
         HAS_INIT: ConstBool,
         HAS_SEQ: ConstBool,
     ):
-        """Grid: (b, h, cdiv(p, BLOCK_P)); chunk states computed and consumed on chip."""
+        """Grid: (b, h, cdiv(p, BLOCK_P) * cdiv(n, BLOCK_N)); each block walks all chunks."""
         ib = ct.bid(0)
         ih = ct.bid(1)
-        ip = ct.bid(2)
-        ig = ih // heads_per_group
-        state = load_initial(initial_states, ib, ih, ip, BLOCK_P, N_PAD, HAS_INIT)  # [P, N]
-        prev_seq = ct.zeros((1, 1), dtype=ct.int32)
+        ip = ct.bid(2) // n_tiles
+        jn = ct.bid(2) % n_tiles
+        if HAS_INIT:
+            state = ct.load(initial_states, index=(ib, ih, ip, jn), shape=(1, 1, BLOCK_P, BLOCK_N),
+                            padding_mode=ZERO).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+        else:
+            state = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
+        prev_seq = ct.zeros((1, 1), dtype=ct.int32)  # the virtual sequence id before chunk 0
         for ic in range(nchunks):
-            ct.store(prev_states, index=(ib, ic, ih, ip, 0),
-                     tile=state.reshape((1, 1, 1, BLOCK_P, N_PAD)).astype(prev_states.dtype))
+            ct.store(prev_states, index=(ib, ic, ih, ip, jn),
+                     tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype))
             factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
-            new = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
-                                   ig, ip, Q, BLOCK_K, BLOCK_P, N_PAD, HAS_SEQ)  # [P, N]
+            if FUSED:
+                new = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib,
+                                       ic, ih, ih // heads_per_group, ip, jn, Q, BLOCK_K, BLOCK_P,
+                                       BLOCK_N, HAS_SEQ)
+            else:
+                new = ct.load(states, index=(ib, ic, ih, ip, jn),
+                              shape=(1, 1, 1, BLOCK_P, BLOCK_N)).reshape((BLOCK_P, BLOCK_N))
             state = state * factor + new
-        ct.store(final_states, index=(ib, ih, ip, 0), tile=state.reshape((1, 1, BLOCK_P, N_PAD)))
+        ct.store(final_states, index=(ib, ih, ip, jn),
+                 tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
-    return chunk_state_passing_kernel
+    return state_passing_kernel
 
 
-def _outputs(b, nchunks, h, p, n, device, config, out):
+def _outputs(b, nchunks, h, p, n, device, config, input_dtype, out):
     import torch
 
     if out is not None:
         return out
-    state_dtype = getattr(torch, config.state_dtype)
+    if input_dtype is None and config.state_dtype == "input":
+        raise ValueError("state_passing on its own does not see the input dtype: pass a "
+                         "StateConfig whose state_dtype is a dtype name, not 'input'")
+    state_dtype = getattr(torch, config.storage_dtype(str(input_dtype).removeprefix("torch.")))
     return (torch.empty((b, nchunks, h, p, n), device=device, dtype=state_dtype),
             torch.empty((b, h, p, n), device=device, dtype=torch.float32))
+
+
+def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, config, out):
+    """Launch the stage-2 scan: fused when ``states`` is None, else over the given states."""
+    import torch
+
+    fused = states is None
+    b, _, nchunks, q = dA_cumsum.shape
+    h, p, n = (x.shape[2], x.shape[3], B.shape[3]) if fused else states.shape[2:]
+    dev = dA_cumsum.device
+    prev_states, final_states = _outputs(b, nchunks, h, p, n, dev, config,
+                                         x.dtype if fused else None, out)
+    block_n = min(config.block_n, next_pow2(n))
+    n_tiles = -(-n // block_n)
+    kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy)
+    grid = (b, h, -(-p // config.block_p) * n_tiles)
+    launch(kernel, grid, (
+        optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),
+        optional(dt_out, 4, torch.float32, dev), dA_cumsum, optional(states, 5, torch.float32, dev),
+        optional(initial_states, 4, torch.float32, dev), optional(seq_idx, 2, torch.int32, dev),
+        optional(seq_last, 2, torch.int32, dev), prev_states, final_states,
+        x.shape[1] if fused else 0, nchunks, h // B.shape[2] if fused else 1, n_tiles, q,
+        min(config.block_k, q), config.block_p, block_n, fused, initial_states is not None,
+        seq_last is not None), device=dev)
+    return prev_states, final_states
 
 
 def state_passing(states, dA_cumsum, initial_states=None, seq_last=None,
@@ -151,21 +150,11 @@ def state_passing(states, dA_cumsum, initial_states=None, seq_last=None,
         seq_last: optional (b, c) int32, seq_idx at each chunk's last valid position.
         out: optional pair (prev_states (b, c, h, p, n), final_states (b, h, p, n) fp32).
     Returns:
-        prev_states (b, c, h, p, n) in ``config.state_dtype``, final_states (b, h, p, n) fp32.
+        prev_states (b, c, h, p, n) in ``config.state_dtype`` (which must name a dtype here),
+        final_states (b, h, p, n) fp32.
     """
-    import torch
-
-    b, nchunks, h, p, n = states.shape
-    prev_states, final_states = _outputs(b, nchunks, h, p, n, states.device, config, out)
-    kernel = build_split_kernel(index_dtype_for(states, prev_states))
-    grid = (b, h, -(-p // config.block_p))
-    launch(kernel, grid, (states, dA_cumsum,
-                          optional(initial_states, 4, torch.float32, states.device),
-                          optional(seq_last, 2, torch.int32, states.device),
-                          prev_states, final_states, nchunks, dA_cumsum.shape[-1], config.block_p,
-                          next_pow2(n), initial_states is not None, seq_last is not None),
-           device=states.device)
-    return prev_states, final_states
+    return _launch(None, None, None, dA_cumsum, states, initial_states, None, seq_last, config,
+                   out)
 
 
 def chunk_state_passing(B, x, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
@@ -176,23 +165,9 @@ def chunk_state_passing(B, x, dt_out, dA_cumsum, initial_states=None, seq_idx=No
         B: (b, l, g, n); x: (b, l, h, p); dt_out, dA_cumsum: (b, h, c, q) fp32.
         initial_states: optional (b, h, p, n); seq_idx: optional (b, l) int32 with
         seq_last (b, c) int32.
+        out: optional pair (prev_states, final_states) as for :func:`state_passing`.
     Returns:
-        prev_states (b, c, h, p, n) in ``config.state_dtype``, final_states (b, h, p, n) fp32.
+        prev_states (b, c, h, p, n) in ``config.storage_dtype(x's dtype)``, final_states
+        (b, h, p, n) fp32.
     """
-    import torch
-
-    b, l, h, p = x.shape
-    n = B.shape[3]
-    _, _, nchunks, q = dt_out.shape
-    prev_states, final_states = _outputs(b, nchunks, h, p, n, x.device, config, out)
-    has_seq = seq_idx is not None
-    kernel = build_fused_kernel(index_dtype_for(x, B, prev_states))
-    grid = (b, h, -(-p // config.block_p))
-    launch(kernel, grid, (x, B, dt_out, dA_cumsum,
-                          optional(initial_states, 4, torch.float32, x.device),
-                          optional(seq_idx, 2, torch.int32, x.device),
-                          optional(seq_last, 2, torch.int32, x.device),
-                          prev_states, final_states, l, nchunks, h // B.shape[2], q,
-                          min(config.block_k, q), config.block_p, next_pow2(n), initial_states is not None, has_seq),
-           device=x.device)
-    return prev_states, final_states
+    return _launch(x, B, dt_out, dA_cumsum, None, initial_states, seq_idx, seq_last, config, out)

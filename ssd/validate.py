@@ -82,10 +82,12 @@ def reference_of(spec: ProblemSpec, inputs: dict) -> dict:
                            for k, v in inputs.items()})
 
 
-def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, device="cuda") -> dict:
+def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="float32",
+                     device="cuda") -> dict:
     """NaN-filled output buffers for every stage, shaped as the stages write them:
-    dt_out, dA_cumsum (b,h,c,q) fp32; prev_states (b,c,h,p,n) fp32; final_states (b,h,p,n)
-    fp32; y (b,l,h,p) in ``dtype``; with ``split`` also states (b,c,h,p,n) fp32."""
+    dt_out, dA_cumsum (b,h,c,q) fp32; prev_states (b,c,h,p,n) in ``state_dtype``;
+    final_states (b,h,p,n) fp32; y (b,l,h,p) in ``dtype``; with ``split`` also states
+    (b,c,h,p,n) fp32."""
     import torch
 
     b, l, h, p, n, g = spec.dims
@@ -94,7 +96,7 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, device="cuda") 
     out = {
         "dt_out": torch.full((b, h, c, q), dtype=torch.float32, **nan),
         "dA_cumsum": torch.full((b, h, c, q), dtype=torch.float32, **nan),
-        "prev_states": torch.full((b, c, h, p, n), dtype=torch.float32, **nan),
+        "prev_states": torch.full((b, c, h, p, n), dtype=getattr(torch, state_dtype), **nan),
         "final_states": torch.full((b, h, p, n), dtype=torch.float32, **nan),
         "y": torch.full((b, l, h, p), dtype=getattr(torch, dtype), **nan),
     }
@@ -120,7 +122,8 @@ def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config) -> dict:
 
     from .api import forward_stages
 
-    outputs = poisoned_outputs(spec, dtype, split=not config.state.fused)
+    outputs = poisoned_outputs(spec, dtype, split=not config.state.fused,
+                               state_dtype=config.state.storage_dtype(dtype))
     r = forward_stages(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
                        spec.chunk_size, D=inputs.get("D"), z=inputs.get("z"),
                        dt_bias=inputs.get("dt_bias"), initial_states=inputs.get("initial_states"),

@@ -12,7 +12,7 @@ pytest.importorskip("cuda.tile")
 from ssd import aot  # noqa: E402
 
 KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
-           "chunk_state_passing_kernel", "chunk_scan_kernel"}
+           "chunk_scan_kernel"}
 
 
 @pytest.mark.parametrize("dtype", aot.DTYPES)

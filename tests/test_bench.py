@@ -6,6 +6,7 @@ import math
 import pytest
 
 from ssd import bench, nbutil
+from ssd.config import default_config
 from ssd.env import gpu_slug
 
 
@@ -47,9 +48,15 @@ def test_suites_have_the_issue_shapes():
     assert all(s.b * s.l == 65536 for s in bench.SUITES["seqlen"])
 
 
-def test_config_space_labels_are_distinct():
-    labels = [bench.config_label(q, c) for q, c in bench.config_space()]
-    assert len(labels) == len(set(labels)) == 12
+def test_config_space_varies_one_factor_at_a_time_around_the_default():
+    space = bench.config_space()
+    labels = [bench.config_label(q, c) for _, q, c in space]
+    assert len(labels) == len(set(labels))
+    factor, q0, d = space[0]
+    assert (factor, q0, d) == ("default", bench.OUR_CHUNK, default_config((9, 0)))
+    for factor, q, cfg in space[1:]:
+        changed = [f for f in ("state", "scan") if getattr(cfg, f) != getattr(d, f)]
+        assert len(changed) + (q != q0) == 1, (factor, labels)
 
 
 def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):

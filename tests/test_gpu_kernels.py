@@ -19,15 +19,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd.config import SSDConfig, StateConfig  # noqa: E402
+from ssd.config import ScanConfig, SSDConfig, StateConfig  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
                           rel_err, run_stages)
 
 pytestmark = pytest.mark.gpu
 
-SPLIT = SSDConfig(state=StateConfig(fused=False))
-FUSED = SSDConfig(state=StateConfig(fused=True))
+# The shipped default (fused stage 2, state sliced along n, heads sharing C Bᵀ, entering
+# states in the input dtype) and a split configuration with the other constant choices
+# (whole state per block, one head per block, fp32 entering states, no occupancy hint), so
+# that both values of every kernel constant are exercised.
+FUSED = SSDConfig()
+SPLIT = SSDConfig(state=StateConfig(fused=False, block_n=128, state_dtype="float32", occupancy=None),
+                  scan=ScanConfig(block_h=1, occupancy=None))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
