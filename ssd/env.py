@@ -18,19 +18,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _git_revision() -> str | None:
-    """Short git revision (+"-dirty"). A copy without history (the GPU machine gets the working
-    tree only) reads the file ``.revision`` that the sender writes instead."""
+    """Short git revision (+"-dirty"), or the file ``.revision`` when it exists.
+
+    The file wins because the GPU machine gets a copy of the working tree whose ``.git`` (when
+    it has one at all) is not the sender's: a stale one there reported an old commit as
+    "-dirty" for a whole session. The sender writes ``.revision`` right after committing
+    (``git rev-parse --short=12 HEAD > .revision``); it is git-ignored.
+    """
+    stamp = ROOT / ".revision"
+    if stamp.is_file() and stamp.read_text().strip():
+        return stamp.read_text().strip()
     try:
         rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, text=True,
                              capture_output=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                text=True, capture_output=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        rev, dirty = "", ""
-    if rev:
-        return rev + ("-dirty" if dirty else "")
-    stamp = ROOT / ".revision"
-    return (stamp.read_text().strip() or None) if stamp.is_file() else None
+        return None
+    return (rev + ("-dirty" if dirty else "")) if rev else None
 
 
 def _nvidia_smi(fields: str) -> list[str] | None:
