@@ -112,6 +112,17 @@ def chunk_seq_last(seq_idx, chunk_size: int):
     return seq_idx[:, last.clamp_(max=l - 1)].to(torch.int32).contiguous()
 
 
+def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig:
+    """``config`` (None: the default for x's GPU) fitted to the problem: tiles clamped to the
+    chunk, head and state sizes, the head block to the heads per group, and the entering
+    states' dtype resolved against x's (see :meth:`SSDConfig.for_problem`).
+
+    Args: x (b, l, h, p), B (b, l, g, n)."""
+    config = config or default_config(torch.cuda.get_device_capability(x.device))
+    return config.for_problem(chunk_size, x.shape[-1], B.shape[-1], x.shape[2] // B.shape[2],
+                              input_dtype=str(x.dtype).removeprefix("torch."))
+
+
 def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), config: SSDConfig | None = None,
@@ -128,9 +139,7 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         stage 2 only); prev_states (b, c, h, p, n); final_states (b, h, p, n) fp32;
         y (b, l, h, p) in x's dtype.
     """
-    config = (config or default_config(torch.cuda.get_device_capability(x.device)))
-    config = config.for_problem(chunk_size, x.shape[-1], B.shape[-1], x.shape[2] // B.shape[2],
-                                input_dtype=str(x.dtype).removeprefix("torch."))
+    config = resolve_config(config, chunk_size, x, B)
     out = outputs or {}
     x, z, B, C, dt = (_last_dim_contiguous(t) for t in (x, z, B, C, dt))
     seq_last = None

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .config import SSDConfig, StateConfig, default_config
+from .config import SSDConfig, default_config
 from .env import ROOT, environment, gpu_slug, write_json
 
 
@@ -285,11 +285,8 @@ def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
     """Per-stage times (ms, eager, L2 flushed) of ours, from the intermediates of one run."""
     from . import api, chunk_cumsum, chunk_scan, chunk_state, state_passing
 
-    config = (config or default_config()).for_problem(
-        chunk_size, inputs["x"].shape[-1], inputs["B"].shape[-1],
-        inputs["x"].shape[2] // inputs["B"].shape[2],
-        input_dtype=str(inputs["x"].dtype).removeprefix("torch."))
     x, dt, A, B, C, D, bias = _forward_args(inputs)
+    config = api.resolve_config(config, chunk_size, x, B)
     r = api.forward_stages(x, dt, A, B, C, chunk_size, D=D, dt_bias=bias, dt_softplus=True,
                            config=config)
     t = {}
@@ -515,8 +512,8 @@ def run_study(shapes, space=None, reps=30) -> dict:
             err = gate(shape, inputs, y)
             stats = time_fn(fn, mode="graph", l2="flushed", reps=reps)
             rows.append(dict(shape=shape.name, dims=list(shape.dims), chunk_size=q,
-                             factor=factor, label=config_label(q, cfg), config=asdict(cfg), gate_rel_err=err,
-                             first_call_s=first, **stats))
+                             factor=factor, label=config_label(q, cfg), config=asdict(cfg),
+                             gate_rel_err=err, first_call_s=first, **stats))
         del inputs
         torch.cuda.empty_cache()
     return dict(rows=rows)

@@ -557,7 +557,7 @@ def verdict(checks: list[Check]) -> dict:
     elif cpu:
         line = f"{CPU_PART} can run; {GPU_PART} cannot: fix the FAIL lines above"
     else:
-        line = f"nothing can run yet: fix the FAIL lines above"
+        line = "nothing can run yet: fix the FAIL lines above"
     return {"cpu_chapters": cpu, "gpu_chapters": gpu, "summary": line,
             "exit_code": 0 if gpu else 1}
 

@@ -26,8 +26,9 @@ def _git_revision() -> str | None:
     (``git rev-parse --short=12 HEAD > .revision``); it is git-ignored.
     """
     stamp = ROOT / ".revision"
-    if stamp.is_file() and stamp.read_text().strip():
-        return stamp.read_text().strip()
+    sent = stamp.read_text().strip() if stamp.is_file() else ""
+    if sent:
+        return sent
     try:
         rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, text=True,
                              capture_output=True, timeout=10).stdout.strip()
