@@ -55,16 +55,20 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # number in the book: the GPU tests (results/<gpu>/gpu_tests.json), the benchmark suites and the
 # tiling study (results/<gpu>/<suite>.json), the first-call compile times, then re-execute the
 # GPU chapters so their stored outputs and recordings come from this run. Needs a GPU; CI never
-# runs it. Several minutes (the study compiles a dozen configurations); the GPU tests run in
-# 8 processes (pytest-xdist) because compiling the ~100 kernel variants they use dominates.
+# runs it. About 15 minutes on an H200: the GPU tests run in 8 processes (pytest-xdist) because
+# compiling the ~100 kernel variants they use dominates; the repetition counts and the prefill
+# grid (8-layer stacks, the quick grid) are the ones the recorded results/h200 files were made
+# with, so a run here is comparable with them line for line (python -m ssd.endtoend without
+# options sweeps the full grid at the published depths).
 GPU_PYTHON ?= python3
 gpu:
 	$(GPU_PYTHON) -m ssd doctor
 	$(GPU_PYTHON) -m pytest -m gpu -n 8 tests/
-	$(GPU_PYTHON) -m ssd.bench --suite models
-	$(GPU_PYTHON) -m ssd.bench --suite study
+	$(GPU_PYTHON) -m ssd.bench --suite models --reps 30
+	$(GPU_PYTHON) -m ssd.bench --suite study --reps 20
 	$(GPU_PYTHON) -m ssd.bench --suite first-call
-	$(GPU_PYTHON) -m ssd.endtoend
+	$(GPU_PYTHON) -m ssd.endtoend --only share --reps 10
+	$(GPU_PYTHON) -m ssd.endtoend --only prefill --quick --layers 8 --prefill-reps 5
 	$(GPU_PYTHON) -m ssd.notebooks '0[4-9]*.ipynb' '1[0-9]*.ipynb'
 
 clean:
