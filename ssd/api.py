@@ -120,7 +120,7 @@ def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig
     Args: x (b, l, h, p), B (b, l, g, n)."""
     config = config or default_config(torch.cuda.get_device_capability(x.device))
     return config.for_problem(chunk_size, x.shape[-1], B.shape[-1], x.shape[2] // B.shape[2],
-                              input_dtype=str(x.dtype).removeprefix("torch."))
+                              input_dtype=x.dtype)
 
 
 def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,

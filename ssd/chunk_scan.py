@@ -22,8 +22,8 @@ import functools
 import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
-from .chunk_state import LOG2E, next_pow2
-from .config import ScanConfig
+from .chunk_state import LOG2E
+from .config import ScanConfig, next_pow2
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]

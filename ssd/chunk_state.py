@@ -18,7 +18,7 @@ import functools
 import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
-from .config import StateConfig
+from .config import StateConfig, next_pow2
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -96,10 +96,6 @@ def build_kernel(index_dtype=ct.int32, occupancy=None):
                  tile=st.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
 
     return chunk_state_kernel
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,

@@ -69,9 +69,12 @@ class StateConfig:
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype: expected one of {STATE_DTYPES}, got {self.state_dtype!r}")
 
-    def storage_dtype(self, input_dtype: str) -> str:
-        """The entering states' dtype name for inputs of dtype ``input_dtype`` ("bfloat16", ...)."""
-        return input_dtype if self.state_dtype == "input" else self.state_dtype
+    def storage_dtype(self, input_dtype) -> str:
+        """The entering states' dtype name for inputs of dtype ``input_dtype`` (a name such as
+        "bfloat16", or a torch dtype)."""
+        if self.state_dtype != "input":
+            return self.state_dtype
+        return str(input_dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -101,12 +104,12 @@ class SSDConfig:
     scan: ScanConfig = field(default_factory=ScanConfig)
 
     def for_problem(self, chunk_size: int, headdim: int, dstate: int, heads_per_group: int,
-                    input_dtype: str | None = None) -> "SSDConfig":
+                    input_dtype=None) -> "SSDConfig":
         """Clamp tiles that would exceed the problem (a tile longer than the chunk, the head or
         the state), shrink chunk_scan's head block to a power of two dividing the heads per
-        group (a block's heads must share one group), and, given the inputs' dtype name
-        ("bfloat16", ...), resolve ``state_dtype="input"`` to it."""
-        p = _next_pow2(headdim)
+        group (a block's heads must share one group), and, given the inputs' dtype (a name such
+        as "bfloat16", or a torch dtype), resolve ``state_dtype="input"`` to it."""
+        p = next_pow2(headdim)
         block_h = self.scan.block_h
         while heads_per_group % block_h:
             block_h //= 2
@@ -114,13 +117,14 @@ class SSDConfig:
                        block_s=min(self.scan.block_s, chunk_size, self.scan.block_m),
                        block_p=min(self.scan.block_p, p))
         state = replace(self.state, block_p=min(self.state.block_p, p),
-                        block_n=min(self.state.block_n, _next_pow2(dstate)))
+                        block_n=min(self.state.block_n, next_pow2(dstate)))
         if input_dtype is not None:
             state = replace(state, state_dtype=state.storage_dtype(input_dtype))
         return replace(self, scan=scan, state=state)
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (tile extents must be powers of two)."""
     return 1 << max(n - 1, 0).bit_length()
 
 

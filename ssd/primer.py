@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import cuda.tile as ct
 
 from ._launch import array_type, capture, index_dtype_for, launch, signature
+from .config import next_pow2
 
 ConstInt = ct.Constant[int]
 ZERO = ct.PaddingMode.ZERO
@@ -46,11 +47,6 @@ def constant_params(kernel) -> list:
 
     names = inspect.signature(kernel._pyfunc).parameters
     return [name for name, (kind, _) in zip(names, _param_kinds(kernel)) if kind == "const"]
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two >= n (tile extents must be powers of two)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 # ----------------------------------------------------------------------------- scale_add

@@ -24,8 +24,8 @@ import functools
 import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
-from .chunk_state import LOG2E, chunk_state_tile, next_pow2
-from .config import StateConfig
+from .chunk_state import LOG2E, chunk_state_tile
+from .config import StateConfig, next_pow2
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -109,7 +109,7 @@ def _outputs(b, nchunks, h, p, n, device, config, input_dtype, out):
     if input_dtype is None and config.state_dtype == "input":
         raise ValueError("state_passing on its own does not see the input dtype: pass a "
                          "StateConfig whose state_dtype is a dtype name, not 'input'")
-    state_dtype = getattr(torch, config.storage_dtype(str(input_dtype).removeprefix("torch.")))
+    state_dtype = getattr(torch, config.storage_dtype(input_dtype))
     return (torch.empty((b, nchunks, h, p, n), device=device, dtype=state_dtype),
             torch.empty((b, h, p, n), device=device, dtype=torch.float32))
 
