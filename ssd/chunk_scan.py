@@ -31,10 +31,11 @@ ZERO = ct.PaddingMode.ZERO
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32, occupancy=None):
+def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None):
+    """The kernel for one index width and one set of compiler hints (see ScanConfig)."""
     Array = array_type(index_dtype)
 
-    @ct.kernel(occupancy=occupancy)
+    @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_kernel(
         x: Array,            # (b, l, h, p)
         B: Array,            # (b, l, g, n)
@@ -107,7 +108,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None):
             s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
             for js in range(s_end):
                 b_s = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, 0),
-                              shape=(1, BLOCK_S, 1, N_PAD), padding_mode=ZERO)
+                              shape=(1, BLOCK_S, 1, N_PAD), padding_mode=ZERO, latency=latency)
                 b_s = b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype)  # [S, N]
                 cb = ct.mma(c_t, ct.transpose(b_s), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))
                 dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
@@ -124,7 +125,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None):
                 seg = ct.where(keep[None, :, :], seg, -float("inf"))
                 w = cb[None, :, :] * ct.exp2(seg * LOG2E) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
                 x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
-                              shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                              shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO,
+                              latency=latency)
                 x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
                 acc = ct.mma(w.astype(x.dtype), x_s, acc)  # [H, M, P]
 
@@ -172,7 +174,8 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     if (h // g) % config.block_h:
         raise ValueError(f"block_h={config.block_h} must divide the heads per group ({h // g}); "
                          "SSDConfig.for_problem picks one that does")
-    kernel = build_kernel(index_dtype_for(x, z, out, prev_states), config.occupancy)
+    kernel = build_kernel(index_dtype_for(x, z, out, prev_states), config.occupancy,
+                          config.latency, config.warps)
     p_tiles = -(-p // config.block_p)
     grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)
     launch(kernel, grid, (x, B, C, dt_out, dA_cumsum, prev_states,

@@ -27,14 +27,15 @@ LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the
 
 
 def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip, jn,
-                     Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ):
+                     Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY):
     """Tile code: the [BLOCK_P, BLOCK_N] fp32 state of chunk ``ic`` for head ``ih`` (group
     ``ig``), channels ``ip*BLOCK_P ...``, state entries ``jn*BLOCK_N ...``.
 
     The chunk is consumed BLOCK_K positions at a time (the MMA's K loop): a whole 256-long
     chunk of x and B would not fit in registers next to the accumulator. K blocks that lie
     entirely past the sequence end are skipped (a tile fully out of bounds is undefined);
-    partial ones load zeros and carry dt' = 0.
+    partial ones load zeros and carry dt' = 0. ``LATENCY`` is the load hint for x and B
+    (:attr:`ssd.config.StateConfig.latency`).
     """
     last = ct.load(dA_cumsum, index=(ib, ih, ic, Q - 1), shape=(1, 1, 1, 1)).reshape((1,))
     if HAS_SEQ:
@@ -44,9 +45,11 @@ def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic,
     acc = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     for kk in range(k_end):
         row = ic * k_per_chunk + kk  # tile index along l in units of BLOCK_K
-        xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=ZERO)
+        xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=ZERO,
+                     latency=LATENCY)
         xk = xk.reshape((BLOCK_K, BLOCK_P))  # [K, P]
-        bk = ct.load(B, index=(ib, row, ig, jn), shape=(1, BLOCK_K, 1, BLOCK_N), padding_mode=ZERO)
+        bk = ct.load(B, index=(ib, row, ig, jn), shape=(1, BLOCK_K, 1, BLOCK_N), padding_mode=ZERO,
+                     latency=LATENCY)
         bk = bk.reshape((BLOCK_K, BLOCK_N)).astype(ct.float32)  # [K, N]
         dacs = ct.load(dA_cumsum, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
         dtk = ct.load(dt_out, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
@@ -62,10 +65,11 @@ def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic,
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32, occupancy=None):
+def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None):
+    """The kernel for one index width and one set of compiler hints (see StateConfig)."""
     Array = array_type(index_dtype)
 
-    @ct.kernel(occupancy=occupancy)
+    @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_state_kernel(
         x: Array,          # (b, l, h, p)
         B: Array,          # (b, l, g, n)
@@ -91,7 +95,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None):
         ip = ct.bid(2) // n_tiles
         jn = ct.bid(2) % n_tiles
         st = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
-                              ih // heads_per_group, ip, jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ)
+                              ih // heads_per_group, ip, jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ,
+                              latency)
         ct.store(states, index=(ib, ic, ih, ip, jn),
                  tile=st.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(states.dtype))
 
@@ -119,7 +124,8 @@ def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,
     has_seq = seq_idx is not None
     seq_idx = optional(seq_idx, 2, torch.int32, x.device)
     seq_last = optional(seq_last, 2, torch.int32, x.device)
-    kernel = build_kernel(index_dtype_for(x, B, out), config.occupancy)
+    kernel = build_kernel(index_dtype_for(x, B, out), config.occupancy, config.latency,
+                          config.warps)
     block_n = min(config.block_n, next_pow2(n))
     n_tiles = -(-n // block_n)
     grid = (b * nchunks, h, -(-p // config.block_p) * n_tiles)

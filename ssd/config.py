@@ -34,9 +34,16 @@ class CumsumConfig:
 STATE_DTYPES = ("input", "float32", "bfloat16", "float16")
 
 
-def _check_occupancy(value) -> None:
-    if value is not None and not (isinstance(value, int) and 1 <= value <= 32):
-        raise ValueError(f"occupancy: expected None (compiler's choice) or 1..32, got {value!r}")
+def _check_hints(config) -> None:
+    """The compiler hints: None leaves the choice to the compiler."""
+    for name, ok, expected in (
+            ("occupancy", lambda v: 1 <= v <= 32, "1..32"),
+            ("latency", lambda v: 1 <= v <= 10, "1..10"),
+            ("warps", lambda v: v in (4, 8), "4 or 8")):
+        value = getattr(config, name)
+        if value is not None and not (isinstance(value, int) and ok(value)):
+            raise ValueError(f"{name}: expected None (compiler's choice) or {expected}, "
+                             f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,10 @@ class StateConfig:
     state_dtype: dtype of the entering states that stage 3 reads: "input" (x's dtype, what
         mamba_ssm stores), "float32" or "bfloat16"; the running sum is always fp32.
     occupancy: compiler hint, expected resident blocks per SM (None: the compiler's choice).
+    latency: compiler hint on the streamed loads of x and B, how heavy their DRAM traffic is
+        (1 low ... 10 high; None: inferred by the compiler).
+    warps: worker warps of a warp-specialised kernel (``num_worker_warps``: 4 or 8; None: the
+        compiler's choice).
     """
 
     block_p: int = 64
@@ -61,11 +72,13 @@ class StateConfig:
     fused: bool = True
     state_dtype: str = "input"
     occupancy: int | None = 2
+    latency: int | None = None
+    warps: int | None = None
 
     def __post_init__(self):
         for name in ("block_p", "block_n", "block_k"):
             _check_pow2(name, getattr(self, name))
-        _check_occupancy(self.occupancy)
+        _check_hints(self)
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype: expected one of {STATE_DTYPES}, got {self.state_dtype!r}")
 
@@ -81,18 +94,21 @@ class StateConfig:
 class ScanConfig:
     """Stage 3 (chunk_scan): a block owns ``block_m`` output rows of one chunk and ``block_p``
     channels of ``block_h`` heads of one group (they share the C Bᵀ tile), and walks the
-    chunk's causal prefix ``block_s`` columns at a time. ``occupancy`` as in StateConfig."""
+    chunk's causal prefix ``block_s`` columns at a time. The hints ``occupancy``, ``latency``
+    (on the streamed loads of B and x) and ``warps`` as in StateConfig."""
 
     block_h: int = 2
     block_m: int = 64
     block_s: int = 64
     block_p: int = 64
     occupancy: int | None = 2
+    latency: int | None = None
+    warps: int | None = None
 
     def __post_init__(self):
         for name in ("block_h", "block_m", "block_s", "block_p"):
             _check_pow2(name, getattr(self, name))
-        _check_occupancy(self.occupancy)
+        _check_hints(self)
         if self.block_m % self.block_s:
             raise ValueError(f"block_s: must divide block_m={self.block_m}, got {self.block_s}")
 

@@ -45,10 +45,11 @@ def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32, occupancy=None):
+def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None):
+    """The kernel for one index width and one set of compiler hints (see StateConfig)."""
     Array = array_type(index_dtype)
 
-    @ct.kernel(occupancy=occupancy)
+    @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def state_passing_kernel(
         x: Array,               # (b, l, h, p) (fused only)
         B: Array,               # (b, l, g, n) (fused only)
@@ -90,7 +91,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None):
             if FUSED:
                 new = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib,
                                        ic, ih, ih // heads_per_group, ip, jn, Q, BLOCK_K, BLOCK_P,
-                                       BLOCK_N, HAS_SEQ)
+                                       BLOCK_N, HAS_SEQ, latency)
             else:
                 new = ct.load(states, index=(ib, ic, ih, ip, jn),
                               shape=(1, 1, 1, BLOCK_P, BLOCK_N)).reshape((BLOCK_P, BLOCK_N))
@@ -126,7 +127,8 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
                                          x.dtype if fused else None, out)
     block_n = min(config.block_n, next_pow2(n))
     n_tiles = -(-n // block_n)
-    kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy)
+    kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
+                          config.latency, config.warps)
     grid = (b, h, -(-p // config.block_p) * n_tiles)
     launch(kernel, grid, (
         optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),
