@@ -458,10 +458,11 @@ def config_space():
 
     One factor at a time around the shipped default at chunk size ``OUR_CHUNK`` (the first
     triple): the chunk size; stage 2 (fused or split, entering-state dtype, the state slice
-    ``block_n``, the occupancy hint); chunk_scan (heads per block, occupancy hint, tile shape).
-    Choices interact, so this is not a grid: it shows what each knob is worth at the default.
+    ``block_n``, the occupancy hint); chunk_scan (heads per block, occupancy hint, tile shape);
+    for each stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8
+    worker warps instead of the compiler's 4). Choices interact, so this is not a grid: it
+    shows what each knob is worth at the default.
     """
-    from .config import ScanConfig
 
     d = default_config((9, 0))
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
@@ -472,23 +473,29 @@ def config_space():
     space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
     space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 64, 128)
               if v != d.state.block_n]
-    space += [("state occupancy", OUR_CHUNK, st(occupancy=v)) for v in (None, 1, 4)
+    space += [("state occupancy", OUR_CHUNK, st(occupancy=v)) for v in (None, 1, 2, 8)
               if v != d.state.occupancy]
+    space += [("state hints", OUR_CHUNK, st(latency=2)), ("state hints", OUR_CHUNK, st(warps=8))]
     space += [("scan block_h", OUR_CHUNK, sc(block_h=v)) for v in (1, 4) if v != d.scan.block_h]
     space += [("scan occupancy", OUR_CHUNK, sc(occupancy=v)) for v in (None, 1, 3)
               if v != d.scan.occupancy]
-    space += [("scan tile", OUR_CHUNK, replace(d, scan=ScanConfig(
-        block_h=d.scan.block_h, block_m=bm, block_s=bs, block_p=bp, occupancy=d.scan.occupancy)))
-        for bm, bs, bp in ((128, 64, 64), (64, 32, 64), (64, 64, 32))]
+    space += [("scan hints", OUR_CHUNK, sc(latency=2)), ("scan hints", OUR_CHUNK, sc(warps=8))]
+    space += [("scan tile", OUR_CHUNK, sc(block_m=bm, block_s=bs, block_p=bp))
+              for bm, bs, bp in ((128, 64, 64), (64, 32, 64), (64, 64, 32))]
     return space
+
+
+def _hints_label(stage) -> str:
+    """'o4', plus 'L2' / 'w8' where a latency or worker-warp hint is set."""
+    extra = "".join(f" {tag}{v}" for tag, v in (("L", stage.latency), ("w", stage.warps)) if v)
+    return f"o{stage.occupancy or '-'}{extra}"
 
 
 def config_label(q, cfg: SSDConfig) -> str:
     st, sc = cfg.state, cfg.scan
     dtype = {"input": "in", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[st.state_dtype]
-    return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n} "
-            f"o{st.occupancy or '-'} | h{sc.block_h} m{sc.block_m} s{sc.block_s} "
-            f"p{sc.block_p} o{sc.occupancy or '-'}")
+    return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n} {_hints_label(st)} "
+            f"| h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p} {_hints_label(sc)}")
 
 
 def run_study(shapes, space=None, reps=30) -> dict:

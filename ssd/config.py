@@ -71,7 +71,7 @@ class StateConfig:
     block_k: int = 64
     fused: bool = True
     state_dtype: str = "input"
-    occupancy: int | None = 2
+    occupancy: int | None = 4
     latency: int | None = None
     warps: int | None = None
 
