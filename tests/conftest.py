@@ -6,7 +6,9 @@ them: the same process in a plain run, the controller under pytest-xdist (``pyte
 compiles kernel variants in parallel; tileiras is single-threaded). At the end of a session that
 ran any, the rows, the pass/fail counts, the worst error per dtype and the environment go to
 ``results/<gpu>/gpu_tests.json`` (the run summary the Kernels issue asks for, read back by
-notebook 08).
+notebook 08), with the ids of any failed tests. Rows tagged ``record="mixer"`` (the whole-layer
+checks of tests/test_mamba2.py, which have no per-stage tolerance for notebook 08 to check them
+against) go to ``results/<gpu>/gpu_mixer_tests.json`` instead.
 """
 import importlib.util
 from collections import Counter
@@ -18,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _ROWS: list[dict] = []       # rows appended by the tests running in this process
 _COLLECTED: list[dict] = []  # rows from every logged report (all workers' on the controller)
 _OUTCOMES: Counter = Counter()
+_FAILED: list[str] = []      # node ids of failed GPU tests
 
 
 def _gpu_missing() -> str | None:
@@ -72,6 +75,8 @@ def pytest_runtest_makereport(item, call):
 def pytest_runtest_logreport(report):
     if report.when == "call" and "gpu" in report.keywords:
         _OUTCOMES[report.outcome] += 1
+        if report.failed:
+            _FAILED.append(report.nodeid)
     elif report.when == "setup" and report.skipped and "gpu" in report.keywords:
         _OUTCOMES["skipped"] += 1
     for key, rows in report.user_properties:
@@ -85,17 +90,24 @@ def pytest_sessionfinish(session, exitstatus):
     from ssd.env import environment, gpu_slug, write_json
 
     env = environment()
+    rows = [r for r in _COLLECTED if r.get("record") != "mixer"]
+    mixer = [r for r in _COLLECTED if r.get("record") == "mixer"]
     worst = {}
-    for row in _COLLECTED:
+    for row in rows:
         if row.get("rel_err") is not None and row.get("kind", "reference") == "reference":
             key = row["dtype"]
             worst[key] = max(worst.get(key, 0.0), row["rel_err"])
     summary = {
         "outcomes": dict(_OUTCOMES),
-        "checks": len(_COLLECTED),
+        "failed_tests": sorted(_FAILED),
+        "checks": len(rows),
         "worst_rel_err_by_dtype": worst,
         "environment": env,
-        "rows": _COLLECTED,
+        "rows": rows,
     }
-    path = write_json(ROOT / "results" / gpu_slug(env) / "gpu_tests.json", summary)
-    print(f"\n[gpu] {len(_COLLECTED)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
+    folder = ROOT / "results" / gpu_slug(env)
+    path = write_json(folder / "gpu_tests.json", summary)
+    print(f"\n[gpu] {len(rows)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
+    if mixer:
+        path = write_json(folder / "gpu_mixer_tests.json", dict(environment=env, rows=mixer))
+        print(f"[gpu] {len(mixer)} mixer checks written to {path}")

@@ -374,23 +374,6 @@ def test_gpu_backend_on_cpu_tensor_is_refused(monkeypatch):
 # ----------------------------------------------------------------------------- GPU
 
 
-@pytest.fixture(scope="module")
-def mixer_record():
-    """Rows (test, shape, dtype, stage, rel_err, tol) of the GPU mixer checks, written with the
-    environment to results/<gpu>/gpu_mixer_tests.json when the module ends. Kept out of
-    conftest's gpu_tests.json: notebook 08 checks every row there against ssd.validate's
-    per-stage tolerances, which a whole layer does not have."""
-    rows = []
-    yield rows
-    if rows:
-        from ssd.env import ROOT, environment, gpu_slug, write_json
-
-        env = environment()
-        path = write_json(ROOT / "results" / gpu_slug(env) / "gpu_mixer_tests.json",
-                          dict(tolerances=GPU_TOL, environment=env, rows=rows))
-        print(f"\n[gpu] {len(rows)} mixer checks written to {path}")
-
-
 # Tolerances (relative Frobenius error against the torch backend on the same weights and input,
 # for the mixer output and for the SSD call alone without D). The torch backend computes the
 # SSD in fp32 from the same rounded inputs, so the difference is the kernel's own error
@@ -398,8 +381,17 @@ def mixer_record():
 # and out_proj (a fixed linear map, the same on both sides), plus the rounding of y to bf16
 # on both sides (u = 3.9e-3). Margins of 2x (bf16) and 5x (fp32). Not yet measured on a GPU:
 # the run writes the errors to results/<gpu>/gpu_mixer_tests.json, so the first GPU run shows
-# how much room is left.
+# how much room is left. The rows carry record="mixer": conftest writes them to
+# results/<gpu>/gpu_mixer_tests.json, apart from the per-stage checks of gpu_tests.json.
 GPU_TOL = {"bfloat16": 3e-2, "float32": 1e-4}
+# mamba_ssm as the backend, in fp32: its SSD alone measured 1.43e-3 against the torch backend
+# on g4-l1000 on the H200 (b732e92; the other two fp32 cases failed 1e-4 too, their values were
+# lost to the then per-worker mixer record). That size is TF32's (10-bit mantissa, u = 4.9e-4),
+# Triton's default precision for fp32 tl.dot, which mamba_ssm's kernels leave as it is: an
+# inference from the size, not verified (TRITON_F32_DEFAULT=ieee would tell). This check
+# exists to catch a wrong wiring of the peer into the layer (errors of order 1), so the peer
+# gets TF32's tolerance: 5e-3, about 10 u. Ours is held to 1e-4 in fp32.
+PEER_TOL = {**GPU_TOL, "float32": 5e-3}
 GPU_CASES = {
     "130m-l777": (PRESETS["130m"], 2, 777),  # seqlen not a multiple of 256
     "g4-l1000": (Mamba2Config(d_model=512, d_state=128, ngroups=4), 2, 1000),  # 16 heads
@@ -428,7 +420,7 @@ def backend_vs_torch(backend, config, b, l, device, tol, record, label):
     y_ref = ssd_torch(x, dt, A, B, C, config.chunk_size, **kw)
     errors = {"mixer": rel_err(out, ref), "ssd-no-D": rel_err(y, y_ref)}
     for stage, err in errors.items():
-        record.append(dict(test=f"mixer-{backend}-vs-torch", shape=label,
+        record.append(dict(record="mixer", test=f"mixer-{backend}-vs-torch", shape=label,
                            dims=list(config.ssd_dims(b, l)), chunk_size=config.chunk_size,
                            dtype=config.dtype, stage=stage, rel_err=err, tol=tol))
         print(f"{backend} {label} {config.dtype} {stage}: rel err vs torch backend {err:.2e} "
@@ -449,26 +441,26 @@ def test_backend_vs_torch_check_on_cpu():
 
 def _gpu_backend_vs_torch(backend, case, dtype, record):
     config, b, l = GPU_CASES[case]
-    backend_vs_torch(backend, replace(config, dtype=dtype), b, l, "cuda", GPU_TOL[dtype],
-                     record, case)
+    tol = (PEER_TOL if backend == "mamba_ssm" else GPU_TOL)[dtype]
+    backend_vs_torch(backend, replace(config, dtype=dtype), b, l, "cuda", tol, record, case)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(GPU_TOL))
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_gpu_cutile_mixer_matches_torch_backend(case, dtype, mixer_record):
-    _gpu_backend_vs_torch("cutile", case, dtype, mixer_record)
+def test_gpu_cutile_mixer_matches_torch_backend(case, dtype, gpu_record):
+    _gpu_backend_vs_torch("cutile", case, dtype, gpu_record)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(GPU_TOL))
 @pytest.mark.parametrize("case", list(GPU_CASES))
-def test_gpu_mamba_ssm_mixer_matches_torch_backend(case, dtype, mixer_record):
-    _gpu_backend_vs_torch("mamba_ssm", case, dtype, mixer_record)
+def test_gpu_mamba_ssm_mixer_matches_torch_backend(case, dtype, gpu_record):
+    _gpu_backend_vs_torch("mamba_ssm", case, dtype, gpu_record)
 
 
 @pytest.mark.gpu
-def test_gpu_torch_backend_matches_float64_reference(mixer_record):
+def test_gpu_torch_backend_matches_float64_reference(gpu_record):
     """The yardstick itself: the torch backend on the GPU in fp32 vs the fp64 CPU layer."""
     config, b, l = GPU_CASES["g4-l1000"]
     c64 = replace(config, dtype="float64")
@@ -477,6 +469,6 @@ def test_gpu_torch_backend_matches_float64_reference(mixer_record):
     m32 = Mamba2Mixer(c32, "torch", device="cuda", seed=11)
     u = inputs(c64, b, l, device="cuda")
     err = check("torch backend fp32 vs fp64 (GPU)", m32(u.float()), m64(u), 1e-5)
-    mixer_record.append(dict(test="mixer-torch-fp32-vs-fp64", shape="g4-l1000",
-                             dims=list(config.ssd_dims(b, l)), chunk_size=config.chunk_size,
-                             dtype="float32", stage="mixer", rel_err=err, tol=1e-5))
+    gpu_record.append(dict(record="mixer", test="mixer-torch-fp32-vs-fp64", shape="g4-l1000",
+                           dims=list(config.ssd_dims(b, l)), chunk_size=config.chunk_size,
+                           dtype="float32", stage="mixer", rel_err=err, tol=1e-5))
