@@ -5,17 +5,30 @@ launch instead of queuing it; every record is then exported as a cubin with
 :func:`cuda.tile.compilation.export_kernel` for each target architecture. This exercises
 exactly the kernels, argument types and compile-time constants the GPU path would use, so a
 kernel that stops compiling fails CI (``tests/test_aot.py``) long before anyone runs it.
+
+The same cubins say what the compiler made of each configuration: registers per thread, the
+per-thread stack (where registers spill) and shared memory, read with ``cuobjdump
+--dump-resource-usage``. :func:`resource_table` does that for every point of the tiling study
+(``python -m ssd.aot --resources`` records it), so the layout chapter can set measured
+register budgets and spills beside the measured times.
 """
 from __future__ import annotations
 
 import argparse
 import io
+import re
+import shutil
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import _launch
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
+# Compile-time facts, not GPU measurements: they live apart from results/<gpu>/.
+RESOURCES = Path(__file__).resolve().parent.parent / "results" / "compile" / "sm_90_resources.json"
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -28,8 +41,16 @@ class Compiled:
     seconds: float
 
 
-def capture_forward(dtype: str, features: bool, fused: bool, chunk_size: int = 256):
-    """Run the forward's launchers on small CPU tensors and return the recorded launches."""
+FEATURES = ("none", "layer", "all")
+
+
+def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 256, config=None):
+    """Run the forward's launchers on small CPU tensors and return the recorded launches.
+
+    features: "none" (x, dt, A, B, C only), "layer" (plus D, dt_bias and softplus, as a Mamba-2
+    layer and the benchmark call it) or "all" (every optional input). The configuration is the
+    sm_90 default with ``fused`` overriding its stage 2, or ``config`` when given.
+    """
     import torch
 
     from .api import forward_stages
@@ -42,14 +63,16 @@ def capture_forward(dtype: str, features: bool, fused: bool, chunk_size: int = 2
     B, C = torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, g, n, dtype=t)
     dt, A = torch.rand(b, l, h, dtype=t), -torch.rand(h)
     extra = {}
-    if features:
-        extra = dict(D=torch.randn(h, p), z=torch.randn(b, l, h, p, dtype=t),
-                     dt_bias=torch.randn(h), initial_states=torch.randn(b, h, p, n),
-                     seq_idx=torch.zeros(b, l, dtype=torch.int32), dt_softplus=True,
-                     dt_limit=(0.001, 0.1))
-    base = default_config((9, 0))
-    config = SSDConfig(cumsum=base.cumsum, state=StateConfig(**{**base.state.__dict__, "fused": fused}),
-                       scan=base.scan)
+    if features in ("layer", "all"):
+        extra = dict(D=torch.randn(h), dt_bias=torch.randn(h), dt_softplus=True)
+    if features == "all":
+        extra.update(D=torch.randn(h, p), z=torch.randn(b, l, h, p, dtype=t),
+                     initial_states=torch.randn(b, h, p, n),
+                     seq_idx=torch.zeros(b, l, dtype=torch.int32), dt_limit=(0.001, 0.1))
+    if config is None:
+        base = default_config((9, 0))
+        config = SSDConfig(cumsum=base.cumsum, scan=base.scan,
+                           state=StateConfig(**{**base.state.__dict__, "fused": fused}))
     with _launch.capture() as records:
         forward_stages(x, dt, A, B, C, chunk_size, config=config, **extra)
     return records
@@ -57,11 +80,9 @@ def capture_forward(dtype: str, features: bool, fused: bool, chunk_size: int = 2
 
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward for each arch."""
-    from cuda.tile import compilation
-
     done, seen = [], set()
     for dtype in dtypes:
-        for features in (False, True):
+        for features in ("none", "all"):
             for fused in (True, False):
                 for record in capture_forward(dtype, features, fused):
                     sig = _launch.signature(record)
@@ -71,23 +92,98 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
                     seen.add(key)
                     for arch in archs:
                         start = time.perf_counter()
-                        buf = io.BytesIO()
-                        compilation.export_kernel(record.kernel, [sig], buf, gpu_code=arch,
-                                                  output_format="cubin")
+                        cubin = export_cubin(record, arch)
                         item = Compiled(record.kernel._pyfunc.__name__, arch,
-                                        f"{dtype}{'+features' if features else ''}",
-                                        len(buf.getvalue()), time.perf_counter() - start)
+                                        dtype if features == "none" else f"{dtype}+{features}",
+                                        len(cubin), time.perf_counter() - start)
                         done.append(item)
                         progress(f"[aot] {item.kernel:28s} {item.arch:7s} {item.variant:18s} "
                                  f"{item.cubin_bytes / 1024:7.0f} KiB {item.seconds:5.1f} s")
     return done
 
 
+def export_cubin(record, arch: str) -> bytes:
+    from cuda.tile import compilation
+
+    buf = io.BytesIO()
+    compilation.export_kernel(record.kernel, [_launch.signature(record)], buf, gpu_code=arch,
+                              output_format="cubin")
+    return buf.getvalue()
+
+
+def cuobjdump() -> str:
+    """The cuobjdump binary: on PATH, or from the nvidia-cuda-cuobjdump wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    import nvidia
+
+    for root in nvidia.__path__:
+        for candidate in sorted(Path(root).glob("cu*/bin/cuobjdump")):
+            return str(candidate)
+    raise FileNotFoundError("cuobjdump not found: pip install nvidia-cuda-cuobjdump")
+
+
+RESOURCE_FIELDS = {"REG": "registers", "STACK": "stack_bytes", "SHARED": "shared_bytes",
+                   "LOCAL": "local_bytes"}
+
+
+def parse_resource_usage(text: str) -> dict:
+    """The one function's line of ``cuobjdump --dump-resource-usage``: REG (per thread), STACK
+    (bytes per thread: spills and the call stack), SHARED (bytes per block), LOCAL."""
+    lines = [line for line in text.splitlines() if "REG:" in line]
+    if len(lines) != 1:
+        raise ValueError(f"expected one function's resource line, got {len(lines)}:\n{text}")
+    found = dict(re.findall(r"(\w+):(\d+)", lines[0]))
+    return {name: int(found[key]) for key, name in RESOURCE_FIELDS.items()}
+
+
+def resource_usage(cubin: bytes) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([cuobjdump(), "--dump-resource-usage", f.name], check=True,
+                             capture_output=True, text=True).stdout
+    return parse_resource_usage(out)
+
+
+def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:
+    """Registers, stack and shared memory of the stage-2 and chunk_scan kernels for every
+    (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``), compiled for
+    ``arch`` with inputs of ``dtype`` and D, as the study runs them. The compile-time constants
+    do not depend on b, l or h, so the small capture shape stands for every study shape."""
+    from .bench import config_label
+
+    rows = []
+    for factor, q, cfg in space:
+        records = capture_forward(dtype, "layer", cfg.state.fused, chunk_size=q, config=cfg)
+        for record in records:
+            name = record.kernel._pyfunc.__name__
+            if name == "chunk_cumsum_kernel":
+                continue
+            rows.append(dict(factor=factor, label=config_label(q, cfg), kernel=name,
+                             **resource_usage(export_cubin(record, arch))))
+            progress(f"[aot] {rows[-1]}")
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ssd.aot", description=__doc__.splitlines()[0])
     parser.add_argument("--arch", action="append", choices=ARCHS, help="target (repeatable)")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="input dtype (repeatable)")
+    parser.add_argument("--resources", action="store_true",
+                        help=f"record the kernels' resources over the tiling study's space to "
+                             f"{RESOURCES.relative_to(RESOURCES.parents[2])} instead")
     args = parser.parse_args(argv)
+    if args.resources:
+        from .bench import config_space
+        from .env import environment, write_json
+
+        rows = resource_table(config_space())
+        path = write_json(RESOURCES, dict(arch="sm_90", dtype="bfloat16", rows=rows,
+                                          environment=environment()))
+        print(f"[aot] {len(rows)} kernels' resources written to {path}")
+        return 0
     done = compile_all(tuple(args.arch or ARCHS), tuple(args.dtype or DTYPES))
     print(f"[aot] {len(done)} cubins, {sum(d.seconds for d in done):.0f} s of compilation")
     return 0
