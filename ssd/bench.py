@@ -485,6 +485,42 @@ def config_space():
     return space
 
 
+def _parse_value(text: str):
+    """A --vary value: None, True/False, an int, or a string (a dtype name)."""
+    if text in ("None", "True", "False"):
+        return {"None": None, "True": True, "False": False}[text]
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def vary_space(specs, base: SSDConfig | None = None):
+    """A one-factor-at-a-time space around ``base`` (default: the sm_90 default) from specs
+    such as ``"state.block_k=16,32"``, ``"scan.block_m=32"`` or ``"q=128"`` (the chunk size):
+    the default first, then one point per value, as ``config_space()`` returns them."""
+    base = base or default_config((9, 0))
+    space = [("default", OUR_CHUNK, base)]
+    for spec in specs:
+        name, _, values = spec.partition("=")
+        if not values:
+            raise ValueError(f"--vary {spec!r}: expected STAGE.FIELD=V1,V2 or q=V1,V2")
+        for value in map(_parse_value, values.split(",")):
+            if name == "q":
+                space.append((spec, value, base))
+                continue
+            stage, _, field_name = name.partition(".")
+            sub = getattr(base, stage, None)
+            if stage not in ("cumsum", "state", "scan") or field_name not in getattr(
+                    sub, "__dataclass_fields__", {}):
+                known = {st: list(getattr(base, st).__dataclass_fields__)
+                         for st in ("cumsum", "state", "scan")}
+                raise ValueError(f"--vary {spec!r}: unknown field; known: {known}")
+            space.append((spec, OUR_CHUNK,
+                          replace(base, **{stage: replace(sub, **{field_name: value})})))
+    return space
+
+
 def _hints_label(stage) -> str:
     """'o4', plus 'L2' / 'w8' where a latency or worker-warp hint is set."""
     extra = "".join(f" {tag}{v}" for tag, v in (("L", stage.latency), ("w", stage.warps)) if v)
@@ -494,8 +530,14 @@ def _hints_label(stage) -> str:
 def config_label(q, cfg: SSDConfig) -> str:
     st, sc = cfg.state, cfg.scan
     dtype = {"input": "in", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[st.state_dtype]
-    return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n} {_hints_label(st)} "
-            f"| h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p} {_hints_label(sc)}")
+    # Fields the study keeps at their defaults appear only when changed (k16, sp32, ch4).
+    d = SSDConfig()
+    extra = "".join(f" {tag}{v}" for tag, v, dv in (
+        ("k", st.block_k, d.state.block_k), ("sp", st.block_p, d.state.block_p),
+        ("ch", cfg.cumsum.block_h, d.cumsum.block_h)) if v != dv)
+    return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n}{extra} "
+            f"{_hints_label(st)} | h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p} "
+            f"{_hints_label(sc)}")
 
 
 def run_study(shapes, space=None, reps=30) -> dict:
@@ -561,13 +603,21 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="graph + flushed only, no stages")
     parser.add_argument("--out", help="output JSON (default results/<gpu>/<suite>.json)")
+    parser.add_argument("--vary", action="append", metavar="STAGE.FIELD=V1,V2",
+                        help="study only: time these values of one field each around the default "
+                             "instead of the study's space (e.g. state.block_k=16,32, q=128); "
+                             "written to results/<gpu>/study-vary.json unless --out")
     args = parser.parse_args(argv)
+    if args.vary and args.suite != "study":
+        parser.error("--vary goes with --suite study")
     env = environment()
     if args.suite == "first-call":
         payload = dict(rows=[first_call_seconds(Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1)),
                              first_call_seconds(Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4))])
     elif args.suite == "study":
-        payload = run_study([s for s in SUITES["models"] if s.name in STUDY_SHAPES], reps=args.reps)
+        space = vary_space(args.vary) if args.vary else None
+        payload = run_study([s for s in SUITES["models"] if s.name in STUDY_SHAPES], space=space,
+                            reps=args.reps)
     else:
         quick = dict(modes=("graph",), l2s=("flushed",), stages=False) if args.quick else {}
         payload = run_suite(SUITES[args.suite], impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
@@ -585,7 +635,8 @@ def main(argv=None) -> int:
         for f in payload["failures"]:
             print("FAILED", f)
     payload["environment"] = env
-    path = args.out or ROOT / "results" / gpu_slug(env) / f"{args.suite}.json"
+    name = "study-vary" if args.vary else args.suite
+    path = args.out or ROOT / "results" / gpu_slug(env) / f"{name}.json"
     write_json(path, payload)
     print(f"[bench] wrote {path}")
     return 0
