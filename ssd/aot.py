@@ -174,11 +174,22 @@ def main(argv=None) -> int:
     parser.add_argument("--resources", action="store_true",
                         help=f"record the kernels' resources over the tiling study's space to "
                              f"{RESOURCES.relative_to(RESOURCES.parents[2])} instead")
+    parser.add_argument("--vary", action="append", metavar="STAGE.FIELD=V1,V2",
+                        help="with --resources: print the resources of these points around the "
+                             "default (as python -m ssd.bench --vary) instead of recording the "
+                             "study's")
     args = parser.parse_args(argv)
+    if args.vary and not args.resources:
+        parser.error("--vary goes with --resources")
     if args.resources:
-        from .bench import config_space
+        from .bench import config_space, vary_space
         from .env import environment, write_json
 
+        if args.vary:
+            for row in resource_table(vary_space(args.vary), progress=lambda line: None):
+                print(f"{row['label']:52s} {row['kernel']:22s} reg {row['registers']:3d} "
+                      f"stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B")
+            return 0
         rows = resource_table(config_space())
         path = write_json(RESOURCES, dict(arch="sm_90", dtype="bfloat16", rows=rows,
                                           environment=environment()))

@@ -497,28 +497,42 @@ def _parse_value(text: str):
 
 def vary_space(specs, base: SSDConfig | None = None):
     """A one-factor-at-a-time space around ``base`` (default: the sm_90 default) from specs
-    such as ``"state.block_k=16,32"``, ``"scan.block_m=32"`` or ``"q=128"`` (the chunk size):
-    the default first, then one point per value, as ``config_space()`` returns them."""
+    such as ``"state.block_k=16,32"`` (one point per value), ``"q=128"`` (the chunk size) or
+    ``"scan.block_m=32+scan.block_s=32"`` (one point changing several fields together): the
+    default first, then the points, as ``config_space()`` returns them."""
     base = base or default_config((9, 0))
     space = [("default", OUR_CHUNK, base)]
     for spec in specs:
-        name, _, values = spec.partition("=")
-        if not values:
-            raise ValueError(f"--vary {spec!r}: expected STAGE.FIELD=V1,V2 or q=V1,V2")
-        for value in map(_parse_value, values.split(",")):
-            if name == "q":
-                space.append((spec, value, base))
-                continue
-            stage, _, field_name = name.partition(".")
-            sub = getattr(base, stage, None)
-            if stage not in ("cumsum", "state", "scan") or field_name not in getattr(
-                    sub, "__dataclass_fields__", {}):
-                known = {st: list(getattr(base, st).__dataclass_fields__)
-                         for st in ("cumsum", "state", "scan")}
-                raise ValueError(f"--vary {spec!r}: unknown field; known: {known}")
-            space.append((spec, OUR_CHUNK,
-                          replace(base, **{stage: replace(sub, **{field_name: value})})))
+        parts = spec.split("+")
+        if len(parts) > 1 and any("," in part for part in parts):
+            raise ValueError(f"--vary {spec!r}: one value per field when fields are joined by +")
+        name, _, values = parts[0].partition("=")
+        points = [[(name, v)] for v in values.split(",")] if len(parts) == 1 else \
+            [[tuple(part.partition("=")[::2]) for part in parts]]
+        for point in points:
+            if not all(value for _, value in point):
+                raise ValueError(f"--vary {spec!r}: expected STAGE.FIELD=V1,V2 or q=V1,V2")
+            space.append((spec, *_changed(spec, base, point)))
     return space
+
+
+def _changed(spec, base, point):
+    """(q, cfg): ``base`` at OUR_CHUNK with the (``q`` or STAGE.FIELD, value) pairs of
+    ``point`` applied, each stage rebuilt once (its checks see all of its changes together)."""
+    q, changes = OUR_CHUNK, {}
+    for field_path, value in point:
+        value = _parse_value(value)
+        if field_path == "q":
+            q = value
+            continue
+        stage, _, field_name = field_path.partition(".")
+        if stage not in ("cumsum", "state", "scan") or \
+                field_name not in getattr(base, stage).__dataclass_fields__:
+            known = {st: list(getattr(base, st).__dataclass_fields__)
+                     for st in ("cumsum", "state", "scan")}
+            raise ValueError(f"--vary {spec!r}: unknown field {field_path!r}; known: {known}")
+        changes.setdefault(stage, {})[field_name] = value
+    return q, replace(base, **{st: replace(getattr(base, st), **kw) for st, kw in changes.items()})
 
 
 def _hints_label(stage) -> str:
@@ -605,7 +619,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="output JSON (default results/<gpu>/<suite>.json)")
     parser.add_argument("--vary", action="append", metavar="STAGE.FIELD=V1,V2",
                         help="study only: time these values of one field each around the default "
-                             "instead of the study's space (e.g. state.block_k=16,32, q=128); "
+                             "instead of the study's space (e.g. state.block_k=16,32, q=128, or "
+                             "scan.block_m=32+scan.block_s=32 for one point changing both); "
                              "written to results/<gpu>/study-vary.json unless --out")
     args = parser.parse_args(argv)
     if args.vary and args.suite != "study":
