@@ -56,6 +56,8 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
     from .api import forward_stages
     from .config import SSDConfig, StateConfig, default_config
 
+    if features not in FEATURES:
+        raise ValueError(f"features: expected one of {FEATURES}, got {features!r}")
     t = getattr(torch, dtype)
     # Two heads per group at least, so chunk_scan's head block (block_h) is compiled as shipped.
     b, l, h, p, n, g = 2, chunk_size + chunk_size // 2, 8, 64, 128, 2

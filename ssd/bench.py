@@ -485,10 +485,13 @@ def config_space():
     return space
 
 
+_CONSTANTS = {"None": None, "True": True, "False": False}
+
+
 def _parse_value(text: str):
     """A --vary value: None, True/False, an int, or a string (a dtype name)."""
-    if text in ("None", "True", "False"):
-        return {"None": None, "True": True, "False": False}[text]
+    if text in _CONSTANTS:
+        return _CONSTANTS[text]
     try:
         return int(text)
     except ValueError:

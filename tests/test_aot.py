@@ -56,3 +56,8 @@ def test_recorded_resources_are_what_this_compiler_makes():
     fresh = aot.resource_table(points, progress=lambda line: None)
     want = [r for r in recorded["rows"] if r["label"] in {bench.config_label(q, c) for _, q, c in points}]
     assert fresh == want
+
+
+def test_capture_names_the_feature_sets_it_knows():
+    with pytest.raises(ValueError, match="features: expected one of"):
+        aot.capture_forward("bfloat16", features=True, fused=True)
