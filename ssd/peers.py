@@ -51,6 +51,29 @@ def mamba_ssm_forward():
         return module.mamba_chunk_scan_combined
 
 
+def retune_mamba_ssm() -> int:
+    """Forget every configuration mamba_ssm's Triton kernels have chosen in this process, so
+    that each one tunes again on the next problem it gets; return how many kernels were reset.
+
+    Their ``triton.autotune`` keys are the chunk size, head dim and state size (and the head
+    count for chunk_cumsum), not the batch or the sequence length: without this, the first
+    shape a process runs picks the configuration that every later shape with the same key
+    reuses, tuned or not for it. The benchmark calls this before each shape's first mamba_ssm
+    call, so the peer is timed with configurations chosen for the shape being timed.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    reset = 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mamba_ssm.ops.triton.") or module is None:
+            continue
+        for obj in vars(module).values():
+            if isinstance(obj, Autotuner) and obj.cache:
+                obj.cache.clear()
+                reset += 1
+    return reset
+
+
 def mamba_ssm_version() -> str | None:
     """The installed mamba_ssm version, also for a source tree on PYTHONPATH (no metadata)."""
     import re
