@@ -219,6 +219,19 @@ def gate(mixer, u, tol=None) -> float:
     return err
 
 
+def _tune_on(backend, call, device):
+    """Let an autotuned backend choose its configurations on the problem about to be timed:
+    mamba_ssm's are reset (:func:`ssd.peers.retune_mamba_ssm`) and ``call`` (the full-size
+    forward) runs once, before the batch-1 gate could pick them instead."""
+    if backend != "mamba_ssm":
+        return
+    from .peers import retune_mamba_ssm
+
+    retune_mamba_ssm()
+    call()
+    _sync(device)
+
+
 def ssd_share(config, batch, seqlen, backend, reps=20, *, mode="graph", l2="flushed", warmup=5,
               seed=0, device=None, check=True, rest=True, mixer=None) -> dict:
     """Time one mixer's forward and the SSD call inside it; return their ratio.
@@ -250,6 +263,7 @@ def ssd_share(config, batch, seqlen, backend, reps=20, *, mode="graph", l2="flus
         mixer.set_backend(backend)
     u = _inputs(config, batch, seqlen, device, seed + 1)
     with torch.no_grad():
+        _tune_on(backend, lambda: mixer(u), device)
         err = gate(mixer, u) if check and backend != "torch" else None
         out, calls = capture_ssd_calls(mixer, u)  # the tensors the layer hands its SSD
         args = calls[0]
@@ -309,6 +323,7 @@ def prefill(stack_config, n_layers, batch, seqlen, backend, reps=10, *, mode="gr
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with torch.no_grad():
+        _tune_on(backend, lambda: stack(u), device)
         out, calls = capture_ssd_calls(stack, u, limit=1)  # keep only layer 0's tensors
         if not torch.isfinite(out).all():
             raise GateFailed(f"{backend}: the stack's output is not finite")

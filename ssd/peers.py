@@ -51,6 +51,43 @@ def mamba_ssm_forward():
         return module.mamba_chunk_scan_combined
 
 
+def _mamba_ssm_autotuners():
+    """(name, triton Autotuner) for every autotuned kernel of mamba_ssm's imported Triton modules."""
+    from triton.runtime.autotuner import Autotuner
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("mamba_ssm.ops.triton.") or module is None:
+            continue
+        for attr, obj in vars(module).items():
+            if isinstance(obj, Autotuner):
+                yield f"{name.rsplit('.', 1)[-1]}.{attr}", obj
+
+
+def retune_mamba_ssm() -> int:
+    """Forget every configuration mamba_ssm's Triton kernels have chosen in this process, so
+    that each one tunes again on the next problem it gets; return how many kernels were reset.
+
+    Their ``triton.autotune`` keys are the chunk size, head dim and state size (and the head
+    count for chunk_cumsum), not the batch or the sequence length: without this, the first
+    shape a process runs picks the configuration that every later shape with the same key
+    reuses, tuned or not for it. The benchmark calls this before each shape's first mamba_ssm
+    call, so the peer is timed with configurations chosen for the shape being timed.
+    """
+    reset = 0
+    for _, tuner in _mamba_ssm_autotuners():
+        if tuner.cache:
+            tuner.cache.clear()
+            reset += 1
+    return reset
+
+
+def mamba_ssm_configs() -> dict:
+    """kernel -> {autotune key: chosen configuration}, as strings, for every mamba_ssm kernel
+    that has tuned in this process: what the peer ran with, recorded beside its times."""
+    return {name: {str(key): str(config) for key, config in tuner.cache.items()}
+            for name, tuner in _mamba_ssm_autotuners() if tuner.cache}
+
+
 def mamba_ssm_version() -> str | None:
     """The installed mamba_ssm version, also for a source tree on PYTHONPATH (no metadata)."""
     import re

@@ -129,3 +129,32 @@ def test_vary_space_is_one_point_per_value_around_the_default():
 def test_vary_space_rejects_what_it_cannot_build(spec, message):
     with pytest.raises(ValueError, match=message):
         bench.vary_space([spec])
+
+
+def test_retune_mamba_ssm_forgets_only_mamba_ssms_tuned_configurations(monkeypatch):
+    """A stand-in for triton's Autotuner (triton is not installed on CPU CI): the tuned
+    configurations of mamba_ssm's Triton modules are cleared, anything else is left alone."""
+    import sys
+    import types
+
+    from ssd import peers
+
+    class Autotuner:
+        def __init__(self, cache):
+            self.cache = cache
+
+    autotuner = types.ModuleType("triton.runtime.autotuner")
+    autotuner.Autotuner = Autotuner
+    for name in ("triton", "triton.runtime"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "triton.runtime.autotuner", autotuner)
+    ours = types.ModuleType("mamba_ssm.ops.triton.ssd_chunk_scan")
+    ours.tuned, ours.untuned = Autotuner({(256, 64, 128): "config"}), Autotuner({})
+    other = types.ModuleType("somewhere.else")
+    other.tuned = Autotuner({(1,): "config"})
+    monkeypatch.setitem(sys.modules, ours.__name__, ours)
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    assert peers.mamba_ssm_configs() == {"ssd_chunk_scan.tuned": {"(256, 64, 128)": "config"}}
+    assert peers.retune_mamba_ssm() == 1
+    assert peers.mamba_ssm_configs() == {}
+    assert ours.tuned.cache == {} and other.tuned.cache == {(1,): "config"}
