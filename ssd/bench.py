@@ -637,20 +637,29 @@ def main(argv=None) -> int:
                              "instead of the study's space (e.g. state.block_k=16,32, q=128, or "
                              "scan.block_m=32+scan.block_s=32 for one point changing both); "
                              "written to results/<gpu>/study-vary.json unless --out")
+    parser.add_argument("--shapes", metavar="NAME,NAME",
+                        help="only these shapes of the suite (the study: of the models suite; "
+                             f"default {','.join(STUDY_SHAPES)})")
     args = parser.parse_args(argv)
     if args.vary and args.suite != "study":
         parser.error("--vary goes with --suite study")
+    pool = {s.name: s for s in SUITES.get("models" if args.suite == "study" else args.suite, ())}
+    names = args.shapes.split(",") if args.shapes else (
+        list(STUDY_SHAPES) if args.suite == "study" else list(pool))
+    if unknown := [n for n in names if n not in pool]:
+        parser.error(f"--shapes: {', '.join(unknown)} not in the {args.suite} suite "
+                     f"(it has: {', '.join(pool) or 'no named shapes'})")
+    shapes = [pool[n] for n in names]
     env = environment()
     if args.suite == "first-call":
         payload = dict(rows=[first_call_seconds(Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1)),
                              first_call_seconds(Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4))])
     elif args.suite == "study":
         space = vary_space(args.vary) if args.vary else None
-        payload = run_study([s for s in SUITES["models"] if s.name in STUDY_SHAPES], space=space,
-                            reps=args.reps)
+        payload = run_study(shapes, space=space, reps=args.reps)
     else:
         quick = dict(modes=("graph",), l2s=("flushed",), stages=False) if args.quick else {}
-        payload = run_suite(SUITES[args.suite], impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
+        payload = run_suite(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
                             reps=args.reps, **quick)
         sp = speedups(payload["records"])
         payload["speedup_vs_mamba_ssm"] = sp
@@ -666,6 +675,8 @@ def main(argv=None) -> int:
             print("FAILED", f)
     payload["environment"] = env
     name = "study-vary" if args.vary else args.suite
+    if args.shapes:  # a subset never overwrites the suite's recording
+        name += "-" + "+".join(names)
     path = args.out or ROOT / "results" / gpu_slug(env) / f"{name}.json"
     write_json(path, payload)
     print(f"[bench] wrote {path}")

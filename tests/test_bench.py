@@ -158,3 +158,13 @@ def test_retune_mamba_ssm_forgets_only_mamba_ssms_tuned_configurations(monkeypat
     assert peers.retune_mamba_ssm() == 1
     assert peers.mamba_ssm_configs() == {}
     assert ours.tuned.cache == {} and other.tuned.cache == {(1,): "config"}
+
+
+@pytest.mark.parametrize("argv, message", [(["--shapes", "2.7b,7b"], "7b not in the models suite"),
+                                           (["--suite", "first-call", "--shapes", "130m"],
+                                            "no named shapes"),
+                                           (["--suite", "study", "--shapes", "x"], "x not in")])
+def test_main_rejects_shapes_outside_the_suite(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
