@@ -88,7 +88,8 @@ def gpu_slug(env: dict) -> str:
     return words[0] if words else "gpu"
 
 
-def write_json(path: Path, payload) -> Path:
+def write_json(path: Path | str, payload) -> Path:
+    path = Path(path)  # --out arguments arrive as strings
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
     return path

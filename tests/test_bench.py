@@ -168,3 +168,13 @@ def test_main_rejects_shapes_outside_the_suite(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
+    """--out arrives as a str; a stop-9 device run lost its results to `str.parent`."""
+    import json
+
+    from ssd.env import write_json
+
+    path = write_json(str(tmp_path / "sub" / "x.json"), {"a": 1})
+    assert json.loads(path.read_text()) == {"a": 1}
