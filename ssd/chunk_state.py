@@ -26,10 +26,12 @@ ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the native unit
 
 
-def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip, jn,
-                     Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY):
-    """Tile code: the [BLOCK_P, BLOCK_N] fp32 state of chunk ``ic`` for head ``ih`` (group
-    ``ig``), channels ``ip*BLOCK_P ...``, state entries ``jn*BLOCK_N ...``.
+def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip,
+                     jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY):
+    """Tile code: ``acc`` plus the [BLOCK_P, BLOCK_N] fp32 state of chunk ``ic`` for head
+    ``ih`` (group ``ig``), channels ``ip*BLOCK_P ...``, state entries ``jn*BLOCK_N ...``. The
+    chunk's MMAs accumulate into ``acc`` itself (zeros for the chunk's own state, the decayed
+    running state in the fused scan), so no second fp32 tile is live beside it.
 
     The chunk is consumed BLOCK_K positions at a time (the MMA's K loop): a whole 256-long
     chunk of x and B would not fit in registers next to the accumulator. K blocks that lie
@@ -42,7 +44,6 @@ def chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic,
         seq_end = ct.load(seq_last, index=(ib, ic), shape=(1, 1)).reshape((1,))
     k_per_chunk = Q // BLOCK_K
     k_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)
-    acc = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
     for kk in range(k_end):
         row = ic * k_per_chunk + kk  # tile index along l in units of BLOCK_K
         xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=ZERO,
@@ -94,7 +95,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         ih = ct.bid(1)
         ip = ct.bid(2) // n_tiles
         jn = ct.bid(2) % n_tiles
-        st = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
+        st = chunk_state_tile(ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32), x, B, dt_out,
+                              dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
                               ih // heads_per_group, ip, jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ,
                               latency)
         ct.store(states, index=(ib, ic, ih, ip, jn),

@@ -89,13 +89,13 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
                      tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype))
             factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
             if FUSED:
-                new = chunk_state_tile(x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib,
-                                       ic, ih, ih // heads_per_group, ip, jn, Q, BLOCK_K, BLOCK_P,
-                                       BLOCK_N, HAS_SEQ, latency)
+                state = chunk_state_tile(state * factor, x, B, dt_out, dA_cumsum, seq_idx,
+                                         seq_last, seqlen, ib, ic, ih, ih // heads_per_group, ip,
+                                         jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, latency)
             else:
                 new = ct.load(states, index=(ib, ic, ih, ip, jn),
                               shape=(1, 1, 1, BLOCK_P, BLOCK_N)).reshape((BLOCK_P, BLOCK_N))
-            state = state * factor + new
+                state = state * factor + new
         ct.store(final_states, index=(ib, ih, ip, jn),
                  tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
