@@ -233,7 +233,7 @@ def _tune_on(backend, call, device):
 
 
 def ssd_share(config, batch, seqlen, backend, reps=20, *, mode="graph", l2="flushed", warmup=5,
-              seed=0, device=None, check=True, rest=True, mixer=None) -> dict:
+              seed=0, device=None, check=True, rest=True, mixer=None, chunk_size=None) -> dict:
     """Time one mixer's forward and the SSD call inside it; return their ratio.
 
     Args:
@@ -246,6 +246,7 @@ def ssd_share(config, batch, seqlen, backend, reps=20, *, mode="graph", l2="flus
         check: first compare the layer's output with the torch backend's (:func:`gate`).
         rest: also time the mixer with its SSD stubbed out (``rest_ms``).
         mixer: an existing ``Mamba2Mixer`` to reuse (its backend is set to ``backend``).
+        chunk_size: the chunk size the SSD is called with (default the config's).
     Returns:
         dict with mixer_ms, ssd_ms, share = ssd_ms / mixer_ms, rest_ms and
         share_by_rest = 1 - rest_ms / mixer_ms (when ``rest``), the quantiles of each
@@ -259,8 +260,7 @@ def ssd_share(config, batch, seqlen, backend, reps=20, *, mode="graph", l2="flus
     device = _device(device)
     if mixer is None:
         mixer = Mamba2Mixer(config, backend, device=device, seed=seed)
-    else:
-        mixer.set_backend(backend)
+    mixer.set_backend(backend, chunk_size or config.chunk_size)
     u = _inputs(config, batch, seqlen, device, seed + 1)
     with torch.no_grad():
         _tune_on(backend, lambda: mixer(u), device)
@@ -277,7 +277,7 @@ def ssd_share(config, batch, seqlen, backend, reps=20, *, mode="graph", l2="flus
             with ssd_replaced(mixer, _stub_ssd):
                 rest_t = timer(lambda: mixer(u), device, **t)
     row = dict(backend=backend, dims=list(config.ssd_dims(batch, seqlen)),
-               d_model=config.d_model, chunk_size=config.chunk_size, dtype=config.dtype,
+               d_model=config.d_model, chunk_size=mixer.ssd.chunk_size, dtype=config.dtype,
                mixer_ms=mixer_t["median_ms"], ssd_ms=ssd_t["median_ms"],
                share=ssd_t["median_ms"] / mixer_t["median_ms"], gate_rel_err=err,
                timer=mixer_t["timer"], mode=mixer_t["mode"], l2=mixer_t["l2"], reps=reps,
@@ -294,7 +294,8 @@ def _quantiles(stats):
 
 
 def prefill(stack_config, n_layers, batch, seqlen, backend, reps=10, *, mode="graph",
-            l2="flushed", warmup=2, seed=0, device=None, measure_ssd=True, stack=None) -> dict:
+            l2="flushed", warmup=2, seed=0, device=None, measure_ssd=True, stack=None,
+            chunk_size=None) -> dict:
     """Prefill latency of a stack of ``n_layers`` mixers over (batch, seqlen) tokens.
 
     Args:
@@ -304,6 +305,7 @@ def prefill(stack_config, n_layers, batch, seqlen, backend, reps=10, *, mode="gr
             the stack's share in SSD, n_layers * ssd_ms_per_layer / latency (every layer's
             SSD has the same shape, so one layer's time stands for each).
         stack: an existing ``Mamba2Stack`` to reuse (its backend is set to ``backend``).
+        chunk_size: the chunk size every layer's SSD is called with (default the config's).
     Returns:
         dict with latency_ms (median of the whole forward), tokens_per_s = batch * seqlen /
         latency, quantiles, and with measure_ssd ssd_ms_per_layer, ssd_ms_total, ssd_share;
@@ -316,9 +318,8 @@ def prefill(stack_config, n_layers, batch, seqlen, backend, reps=10, *, mode="gr
     device = _device(device)
     if stack is None:
         stack = Mamba2Stack(stack_config, n_layers, backend, device=device, seed=seed)
-    else:
-        stack.set_backend(backend)
-        stack_config, n_layers = stack.config, len(stack.mixers)
+    stack_config, n_layers = stack.config, len(stack.mixers)
+    stack.set_backend(backend, chunk_size or stack_config.chunk_size)
     u = _inputs(stack_config, batch, seqlen, device, seed + 1)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -336,7 +337,7 @@ def prefill(stack_config, n_layers, batch, seqlen, backend, reps=10, *, mode="gr
     row = dict(backend=backend, n_layers=n_layers, batch=batch, seqlen=seqlen,
                tokens=batch * seqlen, d_model=stack_config.d_model,
                dims=list(stack_config.ssd_dims(batch, seqlen)),
-               chunk_size=stack_config.chunk_size, dtype=stack_config.dtype, latency_ms=latency,
+               chunk_size=stack.mixers[0].ssd.chunk_size, dtype=stack_config.dtype, latency_ms=latency,
                tokens_per_s=batch * seqlen / (latency * 1e-3), latency=_quantiles(total),
                timer=total["timer"], mode=total["mode"], l2=total["l2"], reps=reps)
     if ssd_t is not None:
@@ -401,8 +402,8 @@ def merge(old: dict, new: dict) -> dict:
 
 def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_GRID, *,
         parts=("share", "prefill"), reps=20, prefill_reps=10, mode="graph", l2="flushed",
-        n_layers=None, chunk_size=256, dtype="bfloat16", device=None, out=None,
-        progress=True) -> dict:
+        n_layers=None, chunk_size=256, chunk_sizes=None, dtype="bfloat16", device=None,
+        out=None, progress=True) -> dict:
     """Measure the mixer share at every shape and the prefill grid, for every backend.
 
     Args:
@@ -414,7 +415,9 @@ def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_G
         parts: which of "share" and "prefill" to run.
         reps, prefill_reps, mode, l2: timing settings (see :func:`timer`).
         n_layers: stack depth; None takes ``PRESET_LAYERS`` for a preset name (else 2).
-        chunk_size, dtype: of the mixers built from ``shapes``.
+        chunk_size, dtype: of the mixers built from ``shapes`` (the layer's configuration).
+        chunk_sizes: {backend: chunk size} for backends whose SSD is called with another
+            chunk size than the layer's (each at its fastest, say); the rows record the one used.
         device: default "cuda" when available.
         out: path of the JSON to write, merged into an existing file (:func:`merge`); None
             writes nothing.
@@ -428,6 +431,9 @@ def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_G
 
     device = _device(device)
     env = environment()
+    chunks = dict(chunk_sizes or {})
+    if unknown := set(chunks) - set(backends):
+        raise ValueError(f"chunk_sizes names backends that are not run: {sorted(unknown)}")
     usable, skipped = [], {}
     for b in backends:
         try:
@@ -452,7 +458,7 @@ def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_G
                     if mixer is None:
                         mixer = Mamba2Mixer(config, backend, device=device, seed=0)
                     row = ssd_share(config, shape.b, shape.l, backend, reps, mode=mode, l2=l2,
-                                    device=device, mixer=mixer)
+                                    device=device, mixer=mixer, chunk_size=chunks.get(backend))
                     share_rows.append(dict(shape=shape.name, **row))
                 except Exception as exc:  # a backend that fails is a result, not a crash
                     share_fail.append(dict(shape=shape.name, backend=backend,
@@ -478,7 +484,8 @@ def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_G
         for backend in usable:
             try:
                 row = prefill(config, depth, batch, seqlen, backend, prefill_reps, mode=mode,
-                              l2=l2, device=device, stack=stacks[(config, depth)])
+                              l2=l2, device=device, stack=stacks[(config, depth)],
+                              chunk_size=chunks.get(backend))
                 pre_rows.append(dict(config=label, **row))
             except Exception as exc:
                 pre_fail.append(dict(ident, backend=backend, error=_failure(exc)))
@@ -488,6 +495,7 @@ def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_G
     cuda = device.type == "cuda"
     settings = dict(reps=reps, mode=mode if cuda else "eager", l2=l2 if cuda else "n/a",
                     dtype=dtype, chunk_size=chunk_size, statistic="median",
+                    **(dict(chunk_sizes=chunks) if chunks else {}),
                     timer="CUDA events (ssd.bench.time_fn)" if cuda else "perf_counter (CPU)",
                     flush_bytes=512 * 2**20 if (cuda and l2 == "flushed") else 0)
     payload = {}
@@ -563,7 +571,16 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--out", help="output JSON, merged into an existing one (default "
                         "results/<gpu>/endtoend.json)")
+    parser.add_argument("--chunk-size", action="append", metavar="BACKEND=Q", default=[],
+                        help="call BACKEND's SSD at chunk size Q instead of the layer's 256 "
+                             "(repeatable; e.g. cutile=128, each backend at its fastest)")
     args = parser.parse_args(argv)
+    chunk_sizes = {}
+    for spec in args.chunk_size:
+        backend, _, q = spec.partition("=")
+        if not q.isdigit():
+            parser.error(f"--chunk-size {spec!r}: expected BACKEND=Q, e.g. cutile=128")
+        chunk_sizes[backend] = int(q)
 
     from .mamba2 import config_for_shape
 
@@ -583,7 +600,8 @@ def main(argv=None) -> int:
            else ROOT / "results" / gpu_slug(environment()) / "endtoend.json")
     payload = run(shapes, tuple(args.backend or SHARE_BACKENDS), grid, parts=parts,
                   reps=args.reps, prefill_reps=args.prefill_reps, mode=args.mode, l2=args.l2,
-                  n_layers=args.layers, chunk_size=chunk, dtype=dtype, device=device, out=out)
+                  n_layers=args.layers, chunk_size=chunk, chunk_sizes=chunk_sizes, dtype=dtype,
+                  device=device, out=out)
     report(payload)
     print(f"[endtoend] wrote {out}")
     return 0

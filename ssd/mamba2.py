@@ -337,9 +337,14 @@ class SSDStep(nn.Module):
         self.dt_limit = tuple(dt_limit)
         self.set_backend(backend)
 
-    def set_backend(self, backend: str):
+    def set_backend(self, backend: str, chunk_size: int | None = None):
+        """Switch the SSD implementation; ``chunk_size`` also changes the chunk size it is
+        called with (None keeps it): the output does not depend on it beyond rounding, the
+        speed does, and not the same way for every backend."""
         self.fn = backend_function(backend)  # raises before anything changes
         self.backend = backend
+        if chunk_size is not None:
+            self.chunk_size = int(chunk_size)
 
     def extra_repr(self):
         return f"backend={self.backend!r}, chunk_size={self.chunk_size}"
@@ -511,8 +516,8 @@ class Mamba2Mixer(nn.Module):
     def backend(self) -> str:
         return self.ssd.backend
 
-    def set_backend(self, backend: str) -> "Mamba2Mixer":
-        self.ssd.set_backend(backend)
+    def set_backend(self, backend: str, chunk_size: int | None = None) -> "Mamba2Mixer":
+        self.ssd.set_backend(backend, chunk_size)
         return self
 
     @torch.no_grad()
@@ -570,10 +575,10 @@ class Mamba2Stack(nn.Module):
     def backend(self) -> str:
         return self.mixers[0].backend
 
-    def set_backend(self, backend: str) -> "Mamba2Stack":
+    def set_backend(self, backend: str, chunk_size: int | None = None) -> "Mamba2Stack":
         backend_function(backend)  # fail before changing any layer
         for m in self.mixers:
-            m.set_backend(backend)
+            m.set_backend(backend, chunk_size)
         return self
 
     @torch.no_grad()

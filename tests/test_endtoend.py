@@ -212,3 +212,34 @@ def test_cli_smoke(tmp_path, capsys):
 def test_presets_in_the_prefill_grid():
     assert {name for name, _, _ in endtoend.PREFILL_GRID} <= set(mamba2.PRESETS)
     assert {name for name, _, _ in endtoend.QUICK_PREFILL_GRID} <= set(mamba2.PRESETS)
+
+
+def test_each_backend_at_its_own_chunk_size(tmp_path):
+    """chunk_sizes calls one backend's SSD at another chunk size than the layer's: the rows
+    and settings record it, the output does not change beyond rounding, and the next backend
+    on the same (reused) mixer or stack gets the layer's chunk size back."""
+    shape = endtoend.SMOKE_SHAPES[0]
+    config = mamba2.config_for_shape(shape, chunk_size=32, dtype="float32")
+    grid = [(config, 1, 40)]
+    payload = run([shape], ("torch", "reference"), grid, reps=1, prefill_reps=1, n_layers=2,
+                  chunk_size=32, chunk_sizes={"torch": 16}, dtype="float32", device="cpu",
+                  progress=False)
+    for part in ("share", "prefill"):
+        rows = {r["backend"]: r["chunk_size"] for r in payload[part]["rows"]}
+        assert rows == {"torch": 16, "reference": 32}, part
+        assert payload[part]["settings"]["chunk_sizes"] == {"torch": 16}
+    mixer = Mamba2Mixer(config, "torch", seed=0)
+    u = torch.randn(1, 40, config.d_model)
+    at32 = mixer(u)
+    at16 = mixer.set_backend("torch", 16)(u)
+    assert mixer.ssd.chunk_size == 16
+    assert torch.allclose(at16, at32, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="not run"):
+        run([shape], ("torch",), grid, chunk_sizes={"cutile": 128}, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("spec", ["cutile", "cutile=big", "=128x"])
+def test_cli_rejects_a_malformed_chunk_size(spec, capsys):
+    with pytest.raises(SystemExit):
+        main(["--suite", "smoke", "--backend", "torch", "--device", "cpu", "--chunk-size", spec])
+    assert "expected BACKEND=Q" in capsys.readouterr().err
