@@ -10,9 +10,10 @@ so initial states only feed a batch row whose first sequence has id 0, as in mam
 One kernel, two modes (the ``FUSED`` constant):
 
 * split (:func:`state_passing`): scans the per-chunk states written by :mod:`ssd.chunk_state`.
-* fused (:func:`chunk_state_passing`): each block walks its chunks in order, computes every
-  chunk's state on chip with :func:`ssd.chunk_state.chunk_state_tile` and adds it to the
-  running state in registers, so the per-chunk states never go to memory.
+* fused (:func:`chunk_state_passing`): each block walks its chunks in order, decays its
+  running state and accumulates every chunk's MMAs straight into it on chip
+  (:func:`ssd.chunk_state.chunk_state_tile` with the decayed state as its accumulator), so the
+  per-chunk states never go to memory.
 
 Either way a block owns a ``BLOCK_P`` x ``BLOCK_N`` slice of one head's state, so the
 parallelism is b * h * cdiv(p, BLOCK_P) * cdiv(n, BLOCK_N) blocks, each walking all chunks:
