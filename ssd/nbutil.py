@@ -53,9 +53,15 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
     return json.loads(path.read_text())
 
 
-def same_code(*revisions, paths=("ssd",), root: Path = ROOT) -> bool | None:
-    """Whether ``paths`` (default the ``ssd`` package, every kernel and harness) are identical at
-    the given git revisions, as recorded in the files' ``git_revision``: True or False where the
+#: git pathspecs of the code a recording measures: the ``ssd`` package (kernels, launchers,
+#: benchmark and end-to-end harnesses) without the modules that only render the chapters.
+MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
+                 ":(exclude)ssd/notebooks.py")
+
+
+def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None:
+    """Whether ``paths`` (git pathspecs; default :data:`MEASURED_CODE`) are identical at the
+    given git revisions, as recorded in the files' ``git_revision``: True or False where the
     checkout's git knows them all, None where it cannot tell (no git, an unknown revision, a
     revision marked ``-dirty``). Recordings made at different revisions time the same code when
     this is True."""

@@ -96,15 +96,17 @@ def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
     git("commit", "-qm", "a")
     a = git("rev-parse", "--short=12", "HEAD")
     (tmp_path / "notes.md").write_text("prose only\n")
+    (tmp_path / "ssd" / "nbutil.py").write_text("renders chapters\n")  # not measured code
     git("add", "-A")
     git("commit", "-qm", "b")
     b = git("rev-parse", "--short=12", "HEAD")
-    (tmp_path / "ssd" / "k.py").write_text("kernel = 2\n")
+    (tmp_path / "ssd" / "k.py").write_text("kernel = 2\n")  # a kernel changed
     git("add", "-A")
     git("commit", "-qm", "c")
     c = git("rev-parse", "--short=12", "HEAD")
     same = lambda *revs, **kw: nbutil.same_code(*revs, root=tmp_path, **kw)  # noqa: E731
     assert same(a, b) is True and same(a, a, b) is True
+    assert same(a, b, paths=("ssd",)) is False
     assert same(a, c) is False and same(a, b, c) is False
     assert same(a, c, paths=("notes.md",)) is False and same(b, c, paths=("notes.md",)) is True
     assert same(a, "0123456789ab") is None and same(a, b + "-dirty") is None and same(a, None) is None
