@@ -72,7 +72,7 @@ gpu-check:
 gpu-bench:
 	$(GPU_PYTHON) -m ssd.bench --suite study --reps 20
 	$(GPU_PYTHON) -m ssd.bench --suite first-call
-	$(GPU_PYTHON) -m ssd.bench --suite serving --reps 30 --quick
+	$(GPU_PYTHON) -m ssd.bench --suite serving --reps 30
 	$(GPU_PYTHON) -m ssd.bench --suite seqlen --reps 30 --quick
 gpu-results:
 	$(GPU_PYTHON) -m ssd.endtoend --only share --reps 10 --chunk-size cutile=128
