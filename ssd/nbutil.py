@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import subprocess
 from pathlib import Path
 
 from .env import ROOT, environment, gpu_slug, write_json
@@ -50,6 +51,36 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
         raise FileNotFoundError(f"{shown}: no recorded result; run this chapter "
                                 "on a GPU once (see the Reproducibility chapter)")
     return json.loads(path.read_text())
+
+
+#: git pathspecs of the code a recording measures: the ``ssd`` package (kernels, launchers,
+#: benchmark and end-to-end harnesses) without the modules that only render the chapters.
+MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
+                 ":(exclude)ssd/notebooks.py")
+
+
+def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None:
+    """Whether ``paths`` (git pathspecs; default :data:`MEASURED_CODE`) are identical at the
+    given git revisions, as recorded in the files' ``git_revision``: True or False where the
+    checkout's git knows them all, None where it cannot tell (no git, an unknown revision, a
+    revision marked ``-dirty``). Recordings made at different revisions time the same code when
+    this is True."""
+    revs = list(dict.fromkeys(revisions))
+    if len(revs) == 1 and revs[0] is not None:
+        return True
+    if any(r is None or r.endswith("-dirty") for r in revs):
+        return None
+    for rev in revs[1:]:
+        try:
+            rc = subprocess.run(["git", "diff", "--quiet", revs[0], rev, "--", *paths], cwd=root,
+                                capture_output=True, timeout=30).returncode
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if rc == 1:
+            return False
+        if rc != 0:  # not a git checkout, or a revision it does not have
+            return None
+    return True
 
 
 def live_or_recorded(name: str, measure, *, force_recorded: bool = False) -> dict:

@@ -82,6 +82,37 @@ def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch
     assert saved == {"value": 7, "environment": {"gpu": "NVIDIA H100 80GB HBM3"}}
 
 
+def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "ssd").mkdir()
+    (tmp_path / "ssd" / "k.py").write_text("kernel = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "a")
+    a = git("rev-parse", "--short=12", "HEAD")
+    (tmp_path / "notes.md").write_text("prose only\n")
+    (tmp_path / "ssd" / "nbutil.py").write_text("renders chapters\n")  # not measured code
+    git("add", "-A")
+    git("commit", "-qm", "b")
+    b = git("rev-parse", "--short=12", "HEAD")
+    (tmp_path / "ssd" / "k.py").write_text("kernel = 2\n")  # a kernel changed
+    git("add", "-A")
+    git("commit", "-qm", "c")
+    c = git("rev-parse", "--short=12", "HEAD")
+    same = lambda *revs, **kw: nbutil.same_code(*revs, root=tmp_path, **kw)  # noqa: E731
+    assert same(a, b) is True and same(a, a, b) is True
+    assert same(a, b, paths=("ssd",)) is False
+    assert same(a, c) is False and same(a, b, c) is False
+    assert same(a, c, paths=("notes.md",)) is False and same(b, c, paths=("notes.md",)) is True
+    assert same(a, "0123456789ab") is None and same(a, b + "-dirty") is None and same(a, None) is None
+    assert nbutil.same_code(a, b, root=tmp_path / "ssd" / "nowhere") is None
+
+
 @pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
                                        ("NVIDIA GeForce RTX 5090", "5090"), (None, "cpu")])
 def test_results_folder_names(name, slug):
