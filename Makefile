@@ -55,7 +55,7 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # number in the book: the GPU tests (results/<gpu>/gpu_tests.json), the benchmark suites and the
 # tiling study (results/<gpu>/<suite>.json), the first-call compile times, the complete-job
 # measurements, then re-execute the GPU chapters so their stored outputs and recordings come from
-# this run. Needs a GPU; CI never runs it. About 21 minutes on an H200, in three parts of 5-8
+# this run. Needs a GPU; CI never runs it. About 23 minutes on an H200, in three parts of 5-9
 # minutes (make gpu-check, make gpu-bench, make gpu-results) for machines that cap a command's
 # time: the GPU tests run in 8 processes (pytest-xdist) because compiling the ~100 kernel
 # variants they use dominates; the repetition counts and the prefill grid (8-layer stacks, the
