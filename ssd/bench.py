@@ -368,7 +368,7 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
     if "tilegym" in impls and "tilegym_tuned" not in impls:
         os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "1"  # untuned default, chunk 64
     ceilings = ceilings or measure_ceilings()
-    records, failures, skipped_all, stage_rows, tuned = [], [], {}, [], {}
+    records, failures, skipped_all, stage_rows, tuned, tilegym_tuned = [], [], {}, [], {}, {}
     for shape in _progress(shapes, "shapes"):
         inputs = make_inputs(shape, dtype)
         table, skipped = implementations(inputs, impls, config)
@@ -412,12 +412,15 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
             stage_rows.append(row)
         if "mamba_ssm" in table:
             tuned[shape.name] = peers.mamba_ssm_configs()
+        if "tilegym_tuned" in table:
+            tilegym_tuned[shape.name] = peers.tilegym_configs()
         del inputs
         torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, flush_bytes=512 * 2**20, timer="CUDA events",
                     statistic="median", mamba_ssm_autotune="per shape")
     return dict(records=records, stages=stage_rows, failures=failures, skipped=skipped_all,
-                mamba_ssm_configs=tuned, ceilings=ceilings, settings=settings)
+                mamba_ssm_configs=tuned, tilegym_configs=tilegym_tuned, ceilings=ceilings,
+                settings=settings)
 
 
 def best_records(records, impl, mode="graph", l2="flushed") -> dict:

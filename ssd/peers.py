@@ -88,6 +88,19 @@ def mamba_ssm_configs() -> dict:
             for name, tuner in _mamba_ssm_autotuners() if tuner.cache}
 
 
+def tilegym_configs() -> dict:
+    """kernel -> [chosen configuration, as a string] for every TileGym Mamba-2 kernel that has
+    chosen one in this process (tuned, or its untuned first configuration): the module keeps
+    one ``_<kernel>_tune_cache`` dict per kernel whose values start with the configuration.
+    Empty when TileGym was never imported."""
+    module = sys.modules.get("tilegym.ops.cutile.mamba2")
+    if module is None:
+        return {}
+    return {name.removeprefix("_").removesuffix("_tune_cache"): [str(v[0]) for v in cache.values()]
+            for name, cache in vars(module).items()
+            if name.endswith("_tune_cache") and isinstance(cache, dict) and cache}
+
+
 def mamba_ssm_version() -> str | None:
     """The installed mamba_ssm version, also for a source tree on PYTHONPATH (no metadata)."""
     import re

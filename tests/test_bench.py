@@ -209,3 +209,14 @@ def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
 
     path = write_json(str(tmp_path / "sub" / "x.json"), {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
+
+
+def test_tilegym_configs_reads_the_tune_caches(monkeypatch):
+    """The configurations TileGym chose are read from its per-kernel caches; none without it."""
+    monkeypatch.delitem(sys.modules, "tilegym.ops.cutile.mamba2", raising=False)
+    assert peers.tilegym_configs() == {}
+    mamba2 = types.ModuleType("tilegym.ops.cutile.mamba2")
+    mamba2._compute_out_tune_cache = {("key",): (types.SimpleNamespace(BLOCK_STATE=64), "kernel")}
+    mamba2._chunk_cumsum_tune_cache = {}  # never ran: left out
+    monkeypatch.setitem(sys.modules, mamba2.__name__, mamba2)
+    assert peers.tilegym_configs() == {"compute_out": ["namespace(BLOCK_STATE=64)"]}
