@@ -213,6 +213,11 @@ def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
 
 def test_tilegym_configs_reads_the_tune_caches(monkeypatch):
     """The configurations TileGym chose are read from its per-kernel caches; none without it."""
+    import sys
+    import types
+
+    from ssd import peers
+
     monkeypatch.delitem(sys.modules, "tilegym.ops.cutile.mamba2", raising=False)
     assert peers.tilegym_configs() == {}
     mamba2 = types.ModuleType("tilegym.ops.cutile.mamba2")
