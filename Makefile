@@ -17,7 +17,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-results clean
+.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-results gpu-tilegym clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -78,6 +78,18 @@ gpu-results:
 	$(GPU_PYTHON) -m ssd.endtoend --only share --reps 10 --chunk-size cutile=128
 	$(GPU_PYTHON) -m ssd.endtoend --only prefill --quick --layers 8 --prefill-reps 5 --chunk-size cutile=128
 	$(GPU_PYTHON) -m ssd.notebooks '0[4-9]*.ipynb' '1[0-9]*.ipynb'
+
+# make gpu-tilegym: TileGym's tuned mode beside ours, one process per models shape, each written
+# to results/<gpu>/tilegym_tuned/<shape>.json with TileGym's chosen configurations. Not part of
+# make gpu: TileGym tunes every shape exhaustively, about 2.5-3 minutes a shape on an H200 (tuning time
+# in first_call_s, never in the steady-state times).
+TILEGYM_SHAPES ?= 2.7b 130m long-16k small-state codestral-7b
+gpu-tilegym:
+	gpu=$$($(GPU_PYTHON) -c 'from ssd.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
+	for s in $(TILEGYM_SHAPES); do \
+	  $(GPU_PYTHON) -m ssd.bench --suite models --shapes $$s --impl ssd --impl tilegym_tuned --quick \
+	    --reps 30 --out results/$$gpu/tilegym_tuned/$$s.json || exit 1; \
+	done
 
 clean:
 	rm -rf _build .jupyter_cache
