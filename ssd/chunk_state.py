@@ -18,7 +18,7 @@ import functools
 import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
-from .config import StateConfig, next_pow2
+from .config import StateConfig
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -128,9 +128,8 @@ def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,
     seq_last = optional(seq_last, 2, torch.int32, x.device)
     kernel = build_kernel(index_dtype_for(x, B, out), config.occupancy, config.latency,
                           config.warps)
-    block_n = min(config.block_n, next_pow2(n))
-    n_tiles = -(-n // block_n)
-    grid = (b * nchunks, h, -(-p // config.block_p) * n_tiles)
+    block_n, n_tiles, slices = config.slices(p, n)
+    grid = (b * nchunks, h, slices)
     launch(kernel, grid, (x, B, dt_out, dA_cumsum, seq_idx, seq_last, out, l, nchunks, h // g,
                           n_tiles, q, min(config.block_k, q), config.block_p, block_n, has_seq),
            device=x.device)

@@ -82,6 +82,15 @@ class StateConfig:
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype: expected one of {STATE_DTYPES}, got {self.state_dtype!r}")
 
+    def slices(self, headdim: int, dstate: int) -> tuple[int, int, int]:
+        """The stage-2 kernels' split of one head's (headdim x dstate) state: (block_n clamped
+        to the state, n_tiles = cdiv(dstate, block_n), slices = cdiv(headdim, block_p) *
+        n_tiles), slices being the blocks per (batch, head) of the fused walk (its grid is
+        (b, h, slices)) and per (batch, chunk, head) of the split chunk_state."""
+        block_n = min(self.block_n, next_pow2(dstate))
+        n_tiles = -(-dstate // block_n)
+        return block_n, n_tiles, -(-headdim // self.block_p) * n_tiles
+
     def storage_dtype(self, input_dtype) -> str:
         """The entering states' dtype name for inputs of dtype ``input_dtype`` (a name such as
         "bfloat16", or a torch dtype)."""

@@ -26,7 +26,7 @@ import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
 from .chunk_state import LOG2E, chunk_state_tile
-from .config import StateConfig, next_pow2
+from .config import StateConfig
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -126,11 +126,10 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     dev = dA_cumsum.device
     prev_states, final_states = _outputs(b, nchunks, h, p, n, dev, config,
                                          x.dtype if fused else None, out)
-    block_n = min(config.block_n, next_pow2(n))
-    n_tiles = -(-n // block_n)
+    block_n, n_tiles, slices = config.slices(p, n)
     kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
                           config.latency, config.warps)
-    grid = (b, h, -(-p // config.block_p) * n_tiles)
+    grid = (b, h, slices)
     launch(kernel, grid, (
         optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),
         optional(dt_out, 4, torch.float32, dev), dA_cumsum, optional(states, 5, torch.float32, dev),

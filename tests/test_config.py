@@ -63,3 +63,25 @@ def test_split_state_passing_needs_a_resolved_state_dtype():
 
 def test_unmeasured_architectures_fall_back_to_the_sm90_default():
     assert default_config((8, 0)) == default_config((10, 0)) == default_config((9, 0))
+
+
+def test_state_slices_match_the_stage2_launch_grids():
+    """StateConfig.slices is the one formula for the stage-2 grids; the launchers use it."""
+    import torch
+
+    from ssd import _launch
+    from ssd.api import forward_stages
+
+    assert StateConfig(block_p=64, block_n=32).slices(64, 128) == (32, 4, 4)
+    assert StateConfig(block_p=32, block_n=16).slices(64, 128) == (16, 8, 16)
+    assert StateConfig(block_p=64, block_n=32).slices(48, 24) == (32, 1, 1)  # n=24 pads to 32
+    b, l, h, p, n = 2, 200, 4, 48, 24
+    for fused in (True, False):
+        cfg = SSDConfig(state=StateConfig(block_p=16, block_n=8, fused=fused))
+        with _launch.capture() as recs:
+            forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
+                           torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 64, config=cfg)
+        grids = {r.kernel._pyfunc.__name__: r.grid for r in recs}
+        assert grids["state_passing_kernel"] == (b, h, 3 * 3)  # cdiv(48, 16) * cdiv(24, 8)
+        if not fused:
+            assert grids["chunk_state_kernel"] == (b * 4, h, 9)
