@@ -83,6 +83,11 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
     return True
 
 
+def same_code_word(result: bool | None) -> str:
+    """How a chapter prints a :func:`same_code` result."""
+    return {True: "yes (git diff)", False: "NO", None: "not checkable here (no git history)"}[result]
+
+
 def live_or_recorded(name: str, measure, *, force_recorded: bool = False) -> dict:
     """Run ``measure()`` (-> JSON-able dict) on a GPU and record it, else load the recording.
 

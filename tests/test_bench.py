@@ -111,6 +111,8 @@ def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
     assert same(a, c, paths=("notes.md",)) is False and same(b, c, paths=("notes.md",)) is True
     assert same(a, "0123456789ab") is None and same(a, b + "-dirty") is None and same(a, None) is None
     assert nbutil.same_code(a, b, root=tmp_path / "ssd" / "nowhere") is None
+    assert [nbutil.same_code_word(r) for r in (True, False, None)] == [
+        "yes (git diff)", "NO", "not checkable here (no git history)"]
 
 
 @pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
