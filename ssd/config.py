@@ -13,7 +13,7 @@ too, because each chunk is one tile along the sequence axis.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 
 def _check_pow2(name: str, value: int) -> None:
@@ -127,6 +127,15 @@ class SSDConfig:
     cumsum: CumsumConfig = field(default_factory=CumsumConfig)
     state: StateConfig = field(default_factory=StateConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
+
+    @classmethod
+    def from_dict(cls, record: dict) -> "SSDConfig":
+        """The configuration a recording's ``config`` (``dataclasses.asdict`` of one) describes.
+        A field the record lacks was added after it was made and takes its default: new knobs
+        default to the behaviour that existed before them, so the record still means what it
+        meant. An unknown field raises (TypeError)."""
+        return cls(**{f.name: f.default_factory().__class__(**record.get(f.name, {}))
+                      for f in fields(cls)})
 
     def for_problem(self, chunk_size: int, headdim: int, dstate: int, heads_per_group: int,
                     input_dtype=None) -> "SSDConfig":

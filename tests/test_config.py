@@ -85,3 +85,18 @@ def test_state_slices_match_the_stage2_launch_grids():
         assert grids["state_passing_kernel"] == (b, h, 3 * 3)  # cdiv(48, 16) * cdiv(24, 8)
         if not fused:
             assert grids["chunk_state_kernel"] == (b * 4, h, 9)
+
+
+def test_from_dict_reads_recordings_made_before_a_field_existed():
+    """A recording's config dict round-trips; a field it lacks takes its default; an unknown one
+    raises."""
+    from dataclasses import asdict
+
+    cfg = SSDConfig(state=StateConfig(block_n=16, fused=False), scan=ScanConfig(block_h=1))
+    record = asdict(cfg)
+    assert SSDConfig.from_dict(record) == cfg
+    del record["state"]["warps"]                      # as if warps were added after the record
+    assert SSDConfig.from_dict(record) == cfg
+    record["scan"]["no_such_field"] = 1
+    with pytest.raises(TypeError):
+        SSDConfig.from_dict(record)
