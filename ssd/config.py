@@ -104,7 +104,9 @@ class ScanConfig:
     """Stage 3 (chunk_scan): a block owns ``block_m`` output rows of one chunk and ``block_p``
     channels of ``block_h`` heads of one group (they share the C Bᵀ tile), and walks the
     chunk's causal prefix ``block_s`` columns at a time. The hints ``occupancy``, ``latency``
-    (on the streamed loads of B and x) and ``warps`` as in StateConfig."""
+    (on the streamed loads of B and x) and ``warps`` as in StateConfig; ``state_latency`` the
+    latency hint on the entering-state load. ``persistent``: launch occupancy x SMs blocks that
+    loop over the output tiles instead of one block per tile."""
 
     block_h: int = 2
     block_m: int = 64
@@ -113,11 +115,17 @@ class ScanConfig:
     occupancy: int | None = 2
     latency: int | None = None
     warps: int | None = None
+    state_latency: int | None = None
+    persistent: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_m", "block_s", "block_p"):
             _check_pow2(name, getattr(self, name))
         _check_hints(self)
+        if self.state_latency is not None and not (isinstance(self.state_latency, int)
+                                                   and 1 <= self.state_latency <= 10):
+            raise ValueError(f"state_latency: expected None (compiler's choice) or 1..10, "
+                             f"got {self.state_latency!r}")
         if self.block_m % self.block_s:
             raise ValueError(f"block_s: must divide block_m={self.block_m}, got {self.block_s}")
 
