@@ -32,97 +32,104 @@ ZERO = ct.PaddingMode.ZERO
 
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-              N_PAD, HAS_D, HAS_Z, HAS_SEQ, LATENCY, STATE_LATENCY):
+              BLOCK_N, N_PAD, HAS_D, HAS_Z, HAS_SEQ, LATENCY, STATE_LATENCY):
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
     the ``BLOCK_H`` heads of head block ``hp // p_tiles``. One tile per block in the default
-    grid; a persistent block loops over many (see the kernel)."""
+    grid; a persistent block loops over many (see the kernel). The state dimension is consumed
+    ``BLOCK_N`` at a time (the K loop of C . prev and of C Bᵀ): smaller C, B and state tiles."""
     ib = bc // nchunks
     ic = bc % nchunks
     jh = hp // p_tiles  # head block: heads jh*BLOCK_H ... (jh+1)*BLOCK_H - 1
     ip = hp % p_tiles
     ig = (jh * BLOCK_H) // heads_per_group
+    m_per_chunk = Q // BLOCK_M
+    n_slices = N_PAD // BLOCK_N
     # A tile entirely past the end of the sequence is undefined for load/store: skip it.
     if ic * Q + im * BLOCK_M < seqlen:
-        prev = ct.load(prev_states, index=(ib, ic, jh, ip, 0),
-                       shape=(1, 1, BLOCK_H, BLOCK_P, N_PAD), padding_mode=ZERO,
-                       latency=STATE_LATENCY)
-        prev = prev.reshape((BLOCK_H, BLOCK_P, N_PAD)).astype(x.dtype)  # MMA in input dtype
-        _scan_rows(prev, x, B, C, dt_out, dA_cumsum, D, z, seq_idx, seq_last, y, seqlen, ib, ic,
-                   im, jh, ip, ig, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_D, HAS_Z,
-                   HAS_SEQ, LATENCY)
-
-
-def _scan_rows(prev, x, B, C, dt_out, dA_cumsum, D, z, seq_idx, seq_last, y, seqlen, ib, ic,
-               im, jh, ip, ig, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_D, HAS_Z,
-               HAS_SEQ, LATENCY):
-    """Tile code: y for rows ``im*BLOCK_M ...`` of chunk ``ic`` given ``prev``
-    [BLOCK_H, BLOCK_P, N_PAD], the state entering the chunk in x's dtype."""
-    m_per_chunk = Q // BLOCK_M
-    trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
-    dacs_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
-    dacs_t = dacs_t.reshape((BLOCK_H, BLOCK_M))  # [H, M]
-    c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0),
-                  shape=(1, BLOCK_M, 1, N_PAD), padding_mode=ZERO)
-    c_t = c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype)  # [M, N]
-    if HAS_SEQ:
-        seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im),
-                        shape=(1, BLOCK_M), padding_mode=ZERO).reshape((BLOCK_M,))
-
-    # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev   -> [H, M, P]
-    acc = ct.mma(ct.broadcast_to(c_t[None, :, :], (BLOCK_H, BLOCK_M, N_PAD)),
-                 ct.permute(prev, (0, 2, 1)),
-                 ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))
-    scale_t = ct.exp2(dacs_t * LOG2E)  # [H, M], <= 1
-    if HAS_SEQ:
-        # The entering state belongs to the sequence that was running at the chunk start.
-        prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
-        prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
-        scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
-    acc = acc * scale_t[:, :, None]
-
-    # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row.
-    s_per_chunk = Q // BLOCK_S
-    s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
-    for js in range(s_end):
-        b_s = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, 0),
-                      shape=(1, BLOCK_S, 1, N_PAD), padding_mode=ZERO, latency=LATENCY)
-        b_s = b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype)  # [S, N]
-        cb = ct.mma(c_t, ct.transpose(b_s), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))
-        dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-        dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-        scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
-        keep = trow[:, None] >= scol[None, :]  # [M, S] causal
+        trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
+        dacs_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
+        dacs_t = dacs_t.reshape((BLOCK_H, BLOCK_M))  # [H, M]
         if HAS_SEQ:
-            seq_s = ct.load(seq_idx, index=(ib, ic * s_per_chunk + js), shape=(1, BLOCK_S),
-                            padding_mode=ZERO).reshape((BLOCK_S,))
-            keep = keep & (seq_t[:, None] == seq_s[None, :])
-        # Mask the exponent, not the product: above the diagonal dA_cumsum[t] - dA_cumsum[s]
-        # is positive and exp() of it could overflow to inf, and inf * 0 = NaN.
-        seg = dacs_t[:, :, None] - dacs_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]  # [H, M, S]
-        seg = ct.where(keep[None, :, :], seg, -float("inf"))
-        w = cb[None, :, :] * ct.exp2(seg * LOG2E) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
-        x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
-                      shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO,
-                      latency=LATENCY)
-        x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
-        acc = ct.mma(w.astype(x.dtype), x_s, acc)  # [H, M, P]
+            seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im),
+                            shape=(1, BLOCK_M), padding_mode=ZERO).reshape((BLOCK_M,))
 
-    # 3. Skip connection and gate, in fp32.
-    if HAS_D:
-        x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
-                      shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
-        x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
-        d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
-        acc = acc + x_t.astype(ct.float32) * d[:, None, :]
-    if HAS_Z:
-        z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
-                      shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
-        z_t = ct.permute(z_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))
-        z_t = z_t.astype(ct.float32)
-        acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
-    out = ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
-    ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype))
+        # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [H, M, P]
+        # The whole state at once (BLOCK_N == N_PAD) keeps C in registers for the diagonal
+        # block too; slices reload C from cache but hold smaller tiles.
+        c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0),
+                      shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=ZERO)
+        c_t = c_t.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]: slice 0
+        acc = ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32)
+        for jn in range(n_slices):
+            c_n = c_t
+            if BLOCK_N < N_PAD:
+                c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
+                              shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=ZERO)
+                c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
+            prev = ct.load(prev_states, index=(ib, ic, jh, ip, jn),
+                           shape=(1, 1, BLOCK_H, BLOCK_P, BLOCK_N), padding_mode=ZERO,
+                           latency=STATE_LATENCY)
+            prev = prev.reshape((BLOCK_H, BLOCK_P, BLOCK_N)).astype(x.dtype)  # MMA in input dtype
+            acc = ct.mma(ct.broadcast_to(c_n[None, :, :], (BLOCK_H, BLOCK_M, BLOCK_N)),
+                         ct.permute(prev, (0, 2, 1)), acc)  # [H, M, P]
+        scale_t = ct.exp2(dacs_t * LOG2E)  # [H, M], <= 1
+        if HAS_SEQ:
+            # The entering state belongs to the sequence that was running at the chunk start.
+            prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
+            prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
+            scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
+        acc = acc * scale_t[:, :, None]
+
+        # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row.
+        s_per_chunk = Q // BLOCK_S
+        s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
+        for js in range(s_end):
+            cb = ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32)
+            for jn in range(n_slices):
+                c_n = c_t
+                if BLOCK_N < N_PAD:
+                    c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
+                                  shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=ZERO)
+                    c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
+                b_n = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, jn),
+                              shape=(1, BLOCK_S, 1, BLOCK_N), padding_mode=ZERO, latency=LATENCY)
+                b_n = b_n.reshape((BLOCK_S, BLOCK_N)).astype(x.dtype)  # [S, Nb]
+                cb = ct.mma(c_n, ct.transpose(b_n), cb)  # [M, S]
+            dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
+            dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
+            scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
+            keep = trow[:, None] >= scol[None, :]  # [M, S] causal
+            if HAS_SEQ:
+                seq_s = ct.load(seq_idx, index=(ib, ic * s_per_chunk + js), shape=(1, BLOCK_S),
+                                padding_mode=ZERO).reshape((BLOCK_S,))
+                keep = keep & (seq_t[:, None] == seq_s[None, :])
+            # Mask the exponent, not the product: above the diagonal dA_cumsum[t] - dA_cumsum[s]
+            # is positive and exp() of it could overflow to inf, and inf * 0 = NaN.
+            seg = dacs_t[:, :, None] - dacs_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]  # [H, M, S]
+            seg = ct.where(keep[None, :, :], seg, -float("inf"))
+            w = cb[None, :, :] * ct.exp2(seg * LOG2E) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
+            x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
+                          shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO,
+                          latency=LATENCY)
+            x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
+            acc = ct.mma(w.astype(x.dtype), x_s, acc)  # [H, M, P]
+
+        # 3. Skip connection and gate, in fp32.
+        if HAS_D:
+            x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
+                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+            x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
+            d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
+            acc = acc + x_t.astype(ct.float32) * d[:, None, :]
+        if HAS_Z:
+            z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
+                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+            z_t = ct.permute(z_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))
+            z_t = z_t.astype(ct.float32)
+            acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
+        out = ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
+        ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -155,6 +162,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         BLOCK_M: ConstInt,
         BLOCK_S: ConstInt,
         BLOCK_P: ConstInt,
+        BLOCK_N: ConstInt,
         N_PAD: ConstInt,
         HAS_D: ConstBool,
         HAS_Z: ConstBool,
@@ -170,8 +178,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         BLOCK_H batched MMAs. Per-head data (decays, dt', x, states) is [H, ...].
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
-                nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD,
-                HAS_D, HAS_Z, HAS_SEQ, latency, state_latency)
+                nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N,
+                N_PAD, HAS_D, HAS_Z, HAS_SEQ, latency, state_latency)
         if PERSISTENT:
             m_tiles = Q // BLOCK_M
             hp_tiles = head_tiles * p_tiles
@@ -212,6 +220,7 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     kernel = build_kernel(index_dtype_for(x, z, out, prev_states), config.occupancy,
                           config.latency, config.warps, config.state_latency)
     p_tiles = -(-p // config.block_p)
+    n_pad = next_pow2(n)
     grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)
     if config.persistent:  # as many blocks as can be resident at once (any number compiles)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
@@ -220,7 +229,8 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           optional(D, 2, torch.float32, dev), optional(z, 4, x.dtype, dev),
                           optional(seq_idx, 2, torch.int32, dev),
                           optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles,
-                          b, h // config.block_h, q, config.block_h, config.block_m, config.block_s, config.block_p, next_pow2(n),
+                          b, h // config.block_h, q, config.block_h, config.block_m, config.block_s,
+                          config.block_p, min(config.block_n or n_pad, n_pad), n_pad,
                           D is not None, z is not None, seq_idx is not None, config.persistent),
            device=dev)
     return out

@@ -105,7 +105,8 @@ class ScanConfig:
     channels of ``block_h`` heads of one group (they share the C Bᵀ tile), and walks the
     chunk's causal prefix ``block_s`` columns at a time. The hints ``occupancy``, ``latency``
     (on the streamed loads of B and x) and ``warps`` as in StateConfig; ``state_latency`` the
-    latency hint on the entering-state load. ``persistent``: launch occupancy x SMs blocks that
+    latency hint on the entering-state load. ``block_n``: the state dimension consumed that many
+    entries at a time (the K loop of C . prev and C Bᵀ; None: all at once). ``persistent``: launch occupancy x SMs blocks that
     loop over the output tiles instead of one block per tile."""
 
     block_h: int = 2
@@ -115,12 +116,15 @@ class ScanConfig:
     occupancy: int | None = 2
     latency: int | None = None
     warps: int | None = None
+    block_n: int | None = None
     state_latency: int | None = None
     persistent: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_m", "block_s", "block_p"):
             _check_pow2(name, getattr(self, name))
+        if self.block_n is not None:
+            _check_pow2("block_n", self.block_n)
         _check_hints(self)
         if self.state_latency is not None and not (isinstance(self.state_latency, int)
                                                    and 1 <= self.state_latency <= 10):
