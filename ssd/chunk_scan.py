@@ -32,12 +32,15 @@ ZERO = ct.PaddingMode.ZERO
 
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-              BLOCK_N, N_PAD, HAS_D, HAS_Z, HAS_SEQ, LATENCY, STATE_LATENCY):
+              BLOCK_N, N_PAD, HAS_D, HAS_Z, HAS_SEQ, CHECK, PAD, LATENCY, STATE_LATENCY):
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
     the ``BLOCK_H`` heads of head block ``hp // p_tiles``. One tile per block in the default
     grid; a persistent block loops over many (see the kernel). The state dimension is consumed
-    ``BLOCK_N`` at a time (the K loop of C . prev and of C Bᵀ): smaller C, B and state tiles."""
+    ``BLOCK_N`` at a time (the K loop of C . prev and of C Bᵀ): smaller C, B and state tiles.
+    CHECK False skips the bounds checks of every load and store: the launcher passes it only
+    when every tile lies inside its array (l % q == 0, p % BLOCK_P == 0, n a power of two), and
+    then PAD is UNDETERMINED (tileiras 13.4 rejects a padding mode on an unchecked load)."""
     ib = bc // nchunks
     ic = bc % nchunks
     jh = hp // p_tiles  # head block: heads jh*BLOCK_H ... (jh+1)*BLOCK_H - 1
@@ -52,24 +55,24 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
         dacs_t = dacs_t.reshape((BLOCK_H, BLOCK_M))  # [H, M]
         if HAS_SEQ:
             seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im),
-                            shape=(1, BLOCK_M), padding_mode=ZERO).reshape((BLOCK_M,))
+                            shape=(1, BLOCK_M), padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_M,))
 
         # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [H, M, P]
         # The whole state at once (BLOCK_N == N_PAD) keeps C in registers for the diagonal
         # block too; slices reload C from cache but hold smaller tiles.
         c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0),
-                      shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=ZERO)
+                      shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
         c_t = c_t.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]: slice 0
         acc = ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32)
         for jn in range(n_slices):
             c_n = c_t
             if BLOCK_N < N_PAD:
                 c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
-                              shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=ZERO)
+                              shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
                 c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
             prev = ct.load(prev_states, index=(ib, ic, jh, ip, jn),
-                           shape=(1, 1, BLOCK_H, BLOCK_P, BLOCK_N), padding_mode=ZERO,
-                           latency=STATE_LATENCY)
+                           shape=(1, 1, BLOCK_H, BLOCK_P, BLOCK_N), padding_mode=PAD,
+                           latency=STATE_LATENCY, check_bounds=CHECK)
             prev = prev.reshape((BLOCK_H, BLOCK_P, BLOCK_N)).astype(x.dtype)  # MMA in input dtype
             acc = ct.mma(ct.broadcast_to(c_n[None, :, :], (BLOCK_H, BLOCK_M, BLOCK_N)),
                          ct.permute(prev, (0, 2, 1)), acc)  # [H, M, P]
@@ -90,10 +93,10 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
                 c_n = c_t
                 if BLOCK_N < N_PAD:
                     c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
-                                  shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=ZERO)
+                                  shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
                     c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
                 b_n = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, jn),
-                              shape=(1, BLOCK_S, 1, BLOCK_N), padding_mode=ZERO, latency=LATENCY)
+                              shape=(1, BLOCK_S, 1, BLOCK_N), padding_mode=PAD, latency=LATENCY, check_bounds=CHECK)
                 b_n = b_n.reshape((BLOCK_S, BLOCK_N)).astype(x.dtype)  # [S, Nb]
                 cb = ct.mma(c_n, ct.transpose(b_n), cb)  # [M, S]
             dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
@@ -102,7 +105,7 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
             keep = trow[:, None] >= scol[None, :]  # [M, S] causal
             if HAS_SEQ:
                 seq_s = ct.load(seq_idx, index=(ib, ic * s_per_chunk + js), shape=(1, BLOCK_S),
-                                padding_mode=ZERO).reshape((BLOCK_S,))
+                                padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_S,))
                 keep = keep & (seq_t[:, None] == seq_s[None, :])
             # Mask the exponent, not the product: above the diagonal dA_cumsum[t] - dA_cumsum[s]
             # is positive and exp() of it could overflow to inf, and inf * 0 = NaN.
@@ -110,33 +113,34 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
             seg = ct.where(keep[None, :, :], seg, -float("inf"))
             w = cb[None, :, :] * ct.exp2(seg * LOG2E) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
             x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
-                          shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO,
-                          latency=LATENCY)
+                          shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=PAD,
+                          latency=LATENCY, check_bounds=CHECK)
             x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
             acc = ct.mma(w.astype(x.dtype), x_s, acc)  # [H, M, P]
 
         # 3. Skip connection and gate, in fp32.
         if HAS_D:
             x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
-                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
             x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
             d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
             acc = acc + x_t.astype(ct.float32) * d[:, None, :]
         if HAS_Z:
             z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
-                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
             z_t = ct.permute(z_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))
             z_t = z_t.astype(ct.float32)
             acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
         out = ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
-        ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype))
+        ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype), check_bounds=CHECK)
 
 
 @functools.lru_cache(maxsize=None)
 def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
-                 state_latency=None):
+                 state_latency=None, check=True):
     """The kernel for one index width and one set of compiler hints (see ScanConfig)."""
     Array = array_type(index_dtype)
+    pad = ZERO if check else ct.PaddingMode.UNDETERMINED
 
     @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_kernel(
@@ -168,6 +172,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         HAS_Z: ConstBool,
         HAS_SEQ: ConstBool,
         PERSISTENT: ConstBool,
+        CHECK: ConstBool,
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -179,7 +184,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
                 nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N,
-                N_PAD, HAS_D, HAS_Z, HAS_SEQ, latency, state_latency)
+                N_PAD, HAS_D, HAS_Z, HAS_SEQ, CHECK, pad, latency, state_latency)
         if PERSISTENT:
             m_tiles = Q // BLOCK_M
             hp_tiles = head_tiles * p_tiles
@@ -217,8 +222,9 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     if (h // g) % config.block_h:
         raise ValueError(f"block_h={config.block_h} must divide the heads per group ({h // g}); "
                          "SSDConfig.for_problem picks one that does")
+    check = not (config.unchecked and l % q == 0 and p % config.block_p == 0 and n == next_pow2(n))
     kernel = build_kernel(index_dtype_for(x, z, out, prev_states), config.occupancy,
-                          config.latency, config.warps, config.state_latency)
+                          config.latency, config.warps, config.state_latency, check)
     p_tiles = -(-p // config.block_p)
     n_pad = next_pow2(n)
     grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)
@@ -231,6 +237,7 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles,
                           b, h // config.block_h, q, config.block_h, config.block_m, config.block_s,
                           config.block_p, min(config.block_n or n_pad, n_pad), n_pad,
-                          D is not None, z is not None, seq_idx is not None, config.persistent),
+                          D is not None, z is not None, seq_idx is not None, config.persistent,
+                          check),
            device=dev)
     return out

@@ -64,6 +64,8 @@ class StateConfig:
         (1 low ... 10 high; None: inferred by the compiler).
     warps: worker warps of a warp-specialised kernel (``num_worker_warps``: 4 or 8; None: the
         compiler's choice).
+    unchecked: the fused walk skips the bounds checks of x, B and the state stores where the
+        launcher proves every tile in bounds (tileiras 13.4+).
     """
 
     block_p: int = 64
@@ -74,6 +76,7 @@ class StateConfig:
     occupancy: int | None = 4
     latency: int | None = None
     warps: int | None = None
+    unchecked: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_n", "block_k"):
@@ -107,7 +110,8 @@ class ScanConfig:
     (on the streamed loads of B and x) and ``warps`` as in StateConfig; ``state_latency`` the
     latency hint on the entering-state load. ``block_n``: the state dimension consumed that many
     entries at a time (the K loop of C . prev and C Bᵀ; None: all at once). ``persistent``: launch occupancy x SMs blocks that
-    loop over the output tiles instead of one block per tile."""
+    loop over the output tiles instead of one block per tile. ``unchecked``: skip the loads' and
+    stores' bounds checks where the launcher proves every tile in bounds (tileiras 13.4+)."""
 
     block_h: int = 2
     block_m: int = 64
@@ -119,6 +123,7 @@ class ScanConfig:
     block_n: int | None = None
     state_latency: int | None = None
     persistent: bool = False
+    unchecked: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_m", "block_s", "block_p"):

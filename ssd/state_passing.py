@@ -46,9 +46,11 @@ def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None):
-    """The kernel for one index width and one set of compiler hints (see StateConfig)."""
+def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None, check=True):
+    """The kernel for one index width and one set of compiler hints (see StateConfig); ``check``
+    False skips the bounds checks of the streamed loads and state stores (every tile in bounds)."""
     Array = array_type(index_dtype)
+    pad = ZERO if check else ct.PaddingMode.UNDETERMINED
 
     @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def state_passing_kernel(
@@ -87,12 +89,14 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         prev_seq = ct.zeros((1, 1), dtype=ct.int32)  # the virtual sequence id before chunk 0
         for ic in range(nchunks):
             ct.store(prev_states, index=(ib, ic, ih, ip, jn),
-                     tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype))
+                     tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype),
+                     check_bounds=check)
             factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
             if FUSED:
                 state = chunk_state_tile(state * factor, x, B, dt_out, dA_cumsum, seq_idx,
                                          seq_last, seqlen, ib, ic, ih, ih // heads_per_group, ip,
-                                         jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, latency)
+                                         jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, latency,
+                                         check, pad)
             else:
                 new = ct.load(states, index=(ib, ic, ih, ip, jn),
                               shape=(1, 1, 1, BLOCK_P, BLOCK_N)).reshape((BLOCK_P, BLOCK_N))
@@ -126,10 +130,20 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     dev = dA_cumsum.device
     prev_states, final_states = _outputs(b, nchunks, h, p, n, dev, config,
                                          x.dtype if fused else None, out)
+<<<<<<< HEAD
     block_n, n_tiles, slices = config.slices(p, n)
     kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
                           config.latency, config.warps)
     grid = (b, h, slices)
+=======
+    block_n = min(config.block_n, next_pow2(n))
+    n_tiles = -(-n // block_n)
+    check = not (config.unchecked and fused and x.shape[1] % q == 0 and p % config.block_p == 0
+                 and n == next_pow2(n))
+    kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
+                          config.latency, config.warps, check)
+    grid = (b, h, -(-p // config.block_p) * n_tiles)
+>>>>>>> e95c7b0 (Unchecked loads and stores (ScanConfig.unchecked, StateConfig.unchecked): check_bounds=False where the launcher proves every tile in bounds (l % q == 0, p % block_p == 0, n a power of two), padding UNDETERMINED there (tileiras 13.4.92 rejects a padding mode on an unchecked load: a 64x64 copy kernel fails with one, compiles without); sm_90 resources: chunk_scan stack 24 -> 8 B, fused stage 2 528 -> 240 B; off by default (defaults compile to today's resources); NOT run on a GPU)
     launch(kernel, grid, (
         optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),
         optional(dt_out, 4, torch.float32, dev), dA_cumsum, optional(states, 5, torch.float32, dev),
