@@ -33,6 +33,13 @@ pytestmark = pytest.mark.gpu
 FUSED = SSDConfig()
 SPLIT = SSDConfig(state=StateConfig(fused=False, block_n=128, state_dtype="float32", occupancy=None),
                   scan=ScanConfig(block_h=1, occupancy=None))
+# TileGym's tuned choices as our knobs (branch next/tilegym-ideas): a persistent chunk_scan grid
+# with a latency hint on the entering states, the state dimension in slices, and unchecked
+# loads where every tile is in bounds (the launchers fall back to checked ones elsewhere).
+TGI = SSDConfig(state=StateConfig(unchecked=True),
+                scan=ScanConfig(persistent=True, state_latency=4, unchecked=True))
+TGI_N = SSDConfig(scan=ScanConfig(block_n=8, block_h=1, occupancy=3, unchecked=True))
+CONFIGS = (SPLIT, FUSED, TGI, TGI_N)
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
@@ -60,9 +67,9 @@ def check_stages(spec, dtype, config, record, label, seed):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("name", list(EDGE_SHAPES))
 def test_edge_shapes_every_stage(name, dtype, gpu_record):
-    """Every named edge shape, every stage output, split and fused stage 2."""
+    """Every named edge shape, every stage output, split and fused stage 2, the new knobs."""
     spec = EDGE_SHAPES[name]
-    for config in (SPLIT, FUSED):
+    for config in CONFIGS:
         check_stages(spec, dtype, config, gpu_record, f"edge/{name}", seed_for(name + dtype))
 
 
@@ -72,7 +79,7 @@ def test_random_shapes(index, gpu_record):
     rng = np.random.default_rng(seed_for(f"random{index}"))
     spec = random_spec(rng)
     dtype = list(DTYPES)[index % 3]
-    config = (SPLIT, FUSED)[index % 2]
+    config = CONFIGS[(index // 3) % len(CONFIGS)]
     check_stages(spec, dtype, config, gpu_record, f"random/{index}", seed_for(f"r{index}"))
 
 
@@ -82,8 +89,9 @@ def test_model_like_chunk_sizes(chunk_size, gpu_record):
     spec = ProblemSpec(2, 1000, 8, 64, 128, 1, chunk_size=chunk_size, D="h", dt_bias=True,
                        dt_softplus=True, initial_states=True, z=True,
                        seq_boundaries=(300, 512), name=f"model-like-q{chunk_size}")
-    check_stages(spec, "bfloat16", FUSED, gpu_record, f"model-like/q{chunk_size}",
-                 seed_for(spec.name))
+    for config in (FUSED, TGI, TGI_N):
+        check_stages(spec, "bfloat16", config, gpu_record, f"model-like/q{chunk_size}",
+                     seed_for(spec.name))
 
 
 def _api_call(spec, inputs, **kw):
