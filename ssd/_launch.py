@@ -119,10 +119,12 @@ def optional(tensor, ndim: int, dtype, device):
     """``tensor``, or a one-element stand-in when it is None (the kernel's flag for it is off).
 
     Kernels take a fixed parameter list; passing another argument in its place would alias
-    two kernel arrays, which cuTile forbids even when one of them is never touched.
+    two kernel arrays, which cuTile forbids even when one of them is never touched. Never
+    touched, its contents do not matter: ``empty`` allocates without launching a fill kernel
+    (``zeros`` launched one per absent input per forward).
     """
     import torch
 
     if tensor is not None:
         return tensor
-    return torch.zeros((1,) * ndim, dtype=dtype, device=device)
+    return torch.empty((1,) * ndim, dtype=dtype, device=device)

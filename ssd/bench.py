@@ -340,6 +340,29 @@ def mamba_ssm_stage_times(inputs, chunk_size, reps=30) -> dict:
     return {k: time_fn(f, mode="eager", reps=reps)["median_ms"] for k, f in run.items()}
 
 
+def tilegym_stage_times(inputs, chunk_size=64, reps=30) -> dict:
+    """Per-stage times (ms, eager, L2 flushed) of TileGym's three cuTile kernels, each with the
+    configuration its forward chose on these inputs (call it after the timed forward, so that a
+    tuned process has tuned this shape): chunk_cumsum, the fused state walk, the outputs."""
+    import torch
+
+    from tilegym.ops.cutile import mamba2 as tg
+
+    x, dt, A, B, C, D, bias = _forward_args(inputs)
+    dtp = positive_dt(inputs)
+    init = torch.zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1], device=x.device)
+    dec_bth, dec_bht, dt_bht = tg._chunk_cumsum(A, dtp, chunk_size=chunk_size)
+    hid, _ = tg._fwd_pass_state(x, B, dtp, dt_bht, dec_bth, dec_bht, init, chunk_size=chunk_size,
+                                state_dtype=C.dtype)
+    run = {
+        "chunk_cumsum": lambda: tg._chunk_cumsum(A, dtp, chunk_size=chunk_size),
+        "state": lambda: tg._fwd_pass_state(x, B, dtp, dt_bht, dec_bth, dec_bht, init,
+                                            chunk_size=chunk_size, state_dtype=C.dtype),
+        "out": lambda: tg._compute_out(x, B, C, D, dt_bht, dec_bht, hid, chunk_size=chunk_size),
+    }
+    return {k: time_fn(f, mode="eager", reps=reps)["median_ms"] for k, f in run.items()}
+
+
 # ----------------------------------------------------------------------------- suites
 
 
@@ -368,7 +391,8 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
     if "tilegym" in impls and "tilegym_tuned" not in impls:
         os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "1"  # untuned default, chunk 64
     ceilings = ceilings or measure_ceilings()
-    records, failures, skipped_all, stage_rows, tuned, tilegym_tuned = [], [], {}, [], {}, {}
+    records, failures, skipped_all, stage_rows, tuned = [], [], {}, [], {}
+    tilegym_tuned, tilegym_stages = {}, {}
     for shape in _progress(shapes, "shapes"):
         inputs = make_inputs(shape, dtype)
         table, skipped = implementations(inputs, impls, config)
@@ -414,13 +438,15 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
             tuned[shape.name] = peers.mamba_ssm_configs()
         if "tilegym_tuned" in table:
             tilegym_tuned[shape.name] = peers.tilegym_configs()
+            tilegym_stages[shape.name] = dict(ssd=stage_times(inputs, config=config),
+                                              tilegym_tuned=tilegym_stage_times(inputs))
         del inputs
         torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, flush_bytes=512 * 2**20, timer="CUDA events",
                     statistic="median", mamba_ssm_autotune="per shape")
     return dict(records=records, stages=stage_rows, failures=failures, skipped=skipped_all,
-                mamba_ssm_configs=tuned, tilegym_configs=tilegym_tuned, ceilings=ceilings,
-                settings=settings)
+                mamba_ssm_configs=tuned, tilegym_configs=tilegym_tuned,
+                tilegym_stages=tilegym_stages, ceilings=ceilings, settings=settings)
 
 
 def best_records(records, impl, mode="graph", l2="flushed") -> dict:

@@ -32,7 +32,8 @@ ZERO = ct.PaddingMode.ZERO
 
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-              BLOCK_N, N_PAD, HAS_D, HAS_Z, HAS_SEQ, CHECK, PAD, LATENCY, STATE_LATENCY):
+              BLOCK_N, N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, PAD, LATENCY,
+              STATE_LATENCY):
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
     the ``BLOCK_H`` heads of head block ``hp // p_tiles``. One tile per block in the default
@@ -123,8 +124,12 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
             x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
                           shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
             x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
-            d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
-            acc = acc + x_t.astype(ct.float32) * d[:, None, :]
+            if D_PER_HEAD:  # D (h,) as the layer holds it: no per-call expansion on the host
+                d = ct.load(D, index=(jh,), shape=(BLOCK_H,)).astype(ct.float32)[:, None, None]
+            else:
+                d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                d = d.astype(ct.float32)[:, None, :]
+            acc = acc + x_t.astype(ct.float32) * d  # [H, M, P]
         if HAS_Z:
             z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
                           shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
@@ -150,7 +155,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         dt_out: Array,       # (b, h, c, q) fp32
         dA_cumsum: Array,    # (b, h, c, q) fp32
         prev_states: Array,  # (b, c, h, p, n) state entering each chunk
-        D: Array,            # (h, p) fp32 (ignored unless HAS_D)
+        D: Array,            # (h,) or (h, p) (ignored unless HAS_D)
         z: Array,            # (b, l, h, p) (ignored unless HAS_Z)
         seq_idx: Array,      # (b, l) int32 (ignored unless HAS_SEQ)
         seq_last: Array,     # (b, c) int32 (ignored unless HAS_SEQ)
@@ -169,6 +174,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         BLOCK_N: ConstInt,
         N_PAD: ConstInt,
         HAS_D: ConstBool,
+        D_PER_HEAD: ConstBool,
         HAS_Z: ConstBool,
         HAS_SEQ: ConstBool,
         PERSISTENT: ConstBool,
@@ -184,7 +190,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
                 nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N,
-                N_PAD, HAS_D, HAS_Z, HAS_SEQ, CHECK, pad, latency, state_latency)
+                N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, pad, latency, state_latency)
         if PERSISTENT:
             m_tiles = Q // BLOCK_M
             hp_tiles = head_tiles * p_tiles
@@ -217,8 +223,6 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     if out is None:
         out = torch.empty_like(x)
     dev = x.device
-    if D is not None:
-        D = (D[:, None].expand(h, p) if D.dim() == 1 else D).to(torch.float32).contiguous()
     if (h // g) % config.block_h:
         raise ValueError(f"block_h={config.block_h} must divide the heads per group ({h // g}); "
                          "SSDConfig.for_problem picks one that does")
@@ -237,7 +241,8 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles,
                           b, h // config.block_h, q, config.block_h, config.block_m, config.block_s,
                           config.block_p, min(config.block_n or n_pad, n_pad), n_pad,
-                          D is not None, z is not None, seq_idx is not None, config.persistent,
+                          D is not None, D is not None and D.dim() == 1, z is not None,
+                          seq_idx is not None, config.persistent,
                           check),
            device=dev)
     return out

@@ -83,3 +83,34 @@ def test_chunk_seq_last_reads_each_chunks_last_valid_position():
     seq = torch.tensor([[0] * 5 + [1] * 30 + [2] * 5])  # l = 40, q = 16: chunks end at 15, 31, 39
     assert chunk_seq_last(seq, 16).tolist() == [[1, 1, 2]]
     assert chunk_seq_last(seq, 64).tolist() == [[2]]
+
+
+def test_forward_launches_only_its_three_kernels():
+    """A Mamba-2 layer's call (D per head, dt_bias, softplus) runs the three cuTile kernels and no
+    torch kernel: no fill for absent inputs, no copy of D (on a GPU each is a launch of its own,
+    in eager mode and in a CUDA graph)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ssd import _launch
+    from ssd.api import forward_stages
+    from ssd.config import default_config
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    b, l, h, p, n = 1, 300, 8, 64, 128
+    x = torch.randn(b, l, h, p, dtype=torch.bfloat16)
+    B, C = (torch.randn(b, l, 1, n, dtype=torch.bfloat16) for _ in range(2))
+    dt, A, D, bias = torch.randn(b, l, h, dtype=torch.bfloat16), -torch.rand(h), *torch.randn(2, h)
+    with _launch.capture() as launches, Ops() as ops:
+        forward_stages(x, dt, A, B, C, 128, D=D, dt_bias=bias, dt_softplus=True,
+                       config=default_config((9, 0)))
+    assert len(launches) == 3
+    allocating = {"empty.memory_format", "empty_like.default"}
+    assert set(ops.names) <= allocating | {"unsqueeze.default", "view.default"}, ops.names
