@@ -26,7 +26,7 @@ import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
 from .chunk_state import LOG2E, chunk_state_tile
-from .config import StateConfig
+from .config import StateConfig, next_pow2
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -130,20 +130,12 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     dev = dA_cumsum.device
     prev_states, final_states = _outputs(b, nchunks, h, p, n, dev, config,
                                          x.dtype if fused else None, out)
-<<<<<<< HEAD
     block_n, n_tiles, slices = config.slices(p, n)
-    kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
-                          config.latency, config.warps)
-    grid = (b, h, slices)
-=======
-    block_n = min(config.block_n, next_pow2(n))
-    n_tiles = -(-n // block_n)
     check = not (config.unchecked and fused and x.shape[1] % q == 0 and p % config.block_p == 0
                  and n == next_pow2(n))
     kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
                           config.latency, config.warps, check)
-    grid = (b, h, -(-p // config.block_p) * n_tiles)
->>>>>>> e95c7b0 (Unchecked loads and stores (ScanConfig.unchecked, StateConfig.unchecked): check_bounds=False where the launcher proves every tile in bounds (l % q == 0, p % block_p == 0, n a power of two), padding UNDETERMINED there (tileiras 13.4.92 rejects a padding mode on an unchecked load: a 64x64 copy kernel fails with one, compiles without); sm_90 resources: chunk_scan stack 24 -> 8 B, fused stage 2 528 -> 240 B; off by default (defaults compile to today's resources); NOT run on a GPU)
+    grid = (b, h, slices)
     launch(kernel, grid, (
         optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),
         optional(dt_out, 4, torch.float32, dev), dA_cumsum, optional(states, 5, torch.float32, dev),

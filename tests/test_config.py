@@ -100,3 +100,22 @@ def test_from_dict_reads_recordings_made_before_a_field_existed():
     record["scan"]["no_such_field"] = 1
     with pytest.raises(TypeError):
         SSDConfig.from_dict(record)
+
+
+@pytest.mark.parametrize("l,unchecked", [(256, True), (200, False)])
+def test_unchecked_only_where_every_tile_is_in_bounds(l, unchecked):
+    """The launchers turn the bounds checks off only when l % q == 0 (and p, n tile exactly)."""
+    import torch
+
+    from ssd import _launch
+    from ssd.api import forward_stages
+
+    b, h, p, n = 1, 4, 64, 128
+    cfg = SSDConfig(state=StateConfig(unchecked=True),
+                    scan=ScanConfig(unchecked=True, persistent=True, state_latency=4))
+    with _launch.capture() as recs:
+        forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
+                       torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128, config=cfg)
+    scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")
+    assert scan.args[-1] is (not unchecked)          # CHECK, the kernel's last constant
+    assert scan.grid[1:] == (1, 1)                   # persistent: one axis of blocks
