@@ -66,6 +66,8 @@ class StateConfig:
         compiler's choice).
     unchecked: the fused walk skips the bounds checks of x, B and the state stores where the
         launcher proves every tile in bounds (tileiras 13.4+).
+    transposed: the fused walk keeps its state slice transposed, [block_n, block_p], with the
+        MMA (w B)ᵀ x (TileGym's tuned state kernel does); memory layouts unchanged.
     """
 
     block_p: int = 64
@@ -77,6 +79,7 @@ class StateConfig:
     latency: int | None = None
     warps: int | None = None
     unchecked: bool = False
+    transposed: bool = False
 
     def __post_init__(self):
         for name in ("block_p", "block_n", "block_k"):

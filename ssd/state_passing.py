@@ -46,7 +46,8 @@ def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None, check=True):
+def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None, check=True,
+                 transposed=False):
     """The kernel for one index width and one set of compiler hints (see StateConfig); ``check``
     False skips the bounds checks of the streamed loads and state stores (every tile in bounds)."""
     Array = array_type(index_dtype)
@@ -81,28 +82,45 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         ih = ct.bid(1)
         ip = ct.bid(2) // n_tiles
         jn = ct.bid(2) % n_tiles
-        if HAS_INIT:
-            state = ct.load(initial_states, index=(ib, ih, ip, jn), shape=(1, 1, BLOCK_P, BLOCK_N),
-                            padding_mode=ZERO).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+        # transposed: the running state is [BLOCK_N, BLOCK_P], read and written through a
+        # permuted view of the (.., p, n) arrays (``order``), so memory layouts do not change.
+        if transposed:
+            state = ct.zeros((BLOCK_N, BLOCK_P), dtype=ct.float32)
+            if HAS_INIT:
+                state = ct.load(initial_states, index=(ib, ih, jn, ip), shape=(1, 1, BLOCK_N, BLOCK_P),
+                                order=(0, 1, 3, 2), padding_mode=ZERO)
+                state = state.reshape((BLOCK_N, BLOCK_P)).astype(ct.float32)
         else:
             state = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)
+            if HAS_INIT:
+                state = ct.load(initial_states, index=(ib, ih, ip, jn), shape=(1, 1, BLOCK_P, BLOCK_N),
+                                padding_mode=ZERO).reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
         prev_seq = ct.zeros((1, 1), dtype=ct.int32)  # the virtual sequence id before chunk 0
         for ic in range(nchunks):
-            ct.store(prev_states, index=(ib, ic, ih, ip, jn),
-                     tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype),
-                     check_bounds=check)
+            if transposed:
+                ct.store(prev_states, index=(ib, ic, ih, jn, ip), order=(0, 1, 2, 4, 3),
+                         tile=state.reshape((1, 1, 1, BLOCK_N, BLOCK_P)).astype(prev_states.dtype),
+                         check_bounds=check)
+            else:
+                ct.store(prev_states, index=(ib, ic, ih, ip, jn),
+                         tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype),
+                         check_bounds=check)
             factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
             if FUSED:
                 state = chunk_state_tile(state * factor, x, B, dt_out, dA_cumsum, seq_idx,
                                          seq_last, seqlen, ib, ic, ih, ih // heads_per_group, ip,
                                          jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, latency,
-                                         check, pad)
+                                         check, pad, transposed)
             else:
                 new = ct.load(states, index=(ib, ic, ih, ip, jn),
                               shape=(1, 1, 1, BLOCK_P, BLOCK_N)).reshape((BLOCK_P, BLOCK_N))
                 state = state * factor + new
-        ct.store(final_states, index=(ib, ih, ip, jn),
-                 tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
+        if transposed:
+            ct.store(final_states, index=(ib, ih, jn, ip), order=(0, 1, 3, 2),
+                     tile=state.reshape((1, 1, BLOCK_N, BLOCK_P)))
+        else:
+            ct.store(final_states, index=(ib, ih, ip, jn),
+                     tile=state.reshape((1, 1, BLOCK_P, BLOCK_N)))
 
     return state_passing_kernel
 
@@ -134,7 +152,7 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     check = not (config.unchecked and fused and x.shape[1] % q == 0 and p % config.block_p == 0
                  and n == next_pow2(n))
     kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
-                          config.latency, config.warps, check)
+                          config.latency, config.warps, check, config.transposed and fused)
     grid = (b, h, slices)
     launch(kernel, grid, (
         optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),

@@ -39,7 +39,8 @@ SPLIT = SSDConfig(state=StateConfig(fused=False, block_n=128, state_dtype="float
 TGI = SSDConfig(state=StateConfig(unchecked=True),
                 scan=ScanConfig(persistent=True, state_latency=4, unchecked=True))
 TGI_N = SSDConfig(scan=ScanConfig(block_n=8, block_h=1, occupancy=3, unchecked=True))
-CONFIGS = (SPLIT, FUSED, TGI, TGI_N)
+TGI_T = SSDConfig(state=StateConfig(transposed=True, block_n=64, unchecked=True))
+CONFIGS = (SPLIT, FUSED, TGI, TGI_N, TGI_T)
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
@@ -89,7 +90,7 @@ def test_model_like_chunk_sizes(chunk_size, gpu_record):
     spec = ProblemSpec(2, 1000, 8, 64, 128, 1, chunk_size=chunk_size, D="h", dt_bias=True,
                        dt_softplus=True, initial_states=True, z=True,
                        seq_boundaries=(300, 512), name=f"model-like-q{chunk_size}")
-    for config in (FUSED, TGI, TGI_N):
+    for config in (FUSED, TGI, TGI_N, TGI_T):
         check_stages(spec, "bfloat16", config, gpu_record, f"model-like/q{chunk_size}",
                      seed_for(spec.name))
 
