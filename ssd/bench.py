@@ -593,9 +593,14 @@ def config_label(q, cfg: SSDConfig) -> str:
     extra = "".join(f" {tag}{v}" for tag, v, dv in (
         ("k", st.block_k, d.state.block_k), ("sp", st.block_p, d.state.block_p),
         ("ch", cfg.cumsum.block_h, d.cumsum.block_h)) if v != dv)
-    return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n}{extra} "
-            f"{_hints_label(st)} | h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p} "
-            f"{_hints_label(sc)}")
+    flags = lambda pairs: "".join(f" {tag}" for tag, on in pairs if on)  # noqa: E731
+    st_flags = flags((("T", st.transposed), ("u", st.unchecked)))
+    sc_extra = (f"{f' n{sc.block_n}' if sc.block_n else ''}"
+                f"{f' sL{sc.state_latency}' if sc.state_latency else ''}"
+                + flags((("pers", sc.persistent), ("u", sc.unchecked))))
+    return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n}{extra}{st_flags} "
+            f"{_hints_label(st)} | h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p}"
+            f"{sc_extra} {_hints_label(sc)}")
 
 
 def run_study(shapes, space=None, reps=30) -> dict:
