@@ -597,7 +597,7 @@ def config_label(q, cfg: SSDConfig) -> str:
     st_flags = flags((("T", st.transposed), ("u", st.unchecked)))
     sc_extra = (f"{f' n{sc.block_n}' if sc.block_n else ''}"
                 f"{f' sL{sc.state_latency}' if sc.state_latency else ''}"
-                + flags((("pers", sc.persistent), ("u", sc.unchecked))))
+                + flags((("pers", sc.persistent), ("u", sc.unchecked), ("peel", sc.peel))))
     return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n}{extra}{st_flags} "
             f"{_hints_label(st)} | h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p}"
             f"{sc_extra} {_hints_label(sc)}")

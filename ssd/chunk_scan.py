@@ -30,9 +30,68 @@ ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 
 
+def skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD):
+    """Tile code: D of the block's heads and channels as an fp32 factor of x [H, M, P]."""
+    if D_PER_HEAD:  # D (h,) as the layer holds it: no per-call expansion on the host
+        return ct.load(D, index=(jh,), shape=(BLOCK_H,)).astype(ct.float32)[:, None, None]
+    d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
+    return d.astype(ct.float32)[:, None, :]
+
+
+def same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S, CHECK, PAD):
+    """Tile code: [M, S] True where row t and column s of the chunk belong to one sequence."""
+    seq_t = ct.load(seq_idx, index=(ib, ic * (Q // BLOCK_M) + im), shape=(1, BLOCK_M),
+                    padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_M,))
+    seq_s = ct.load(seq_idx, index=(ib, ic * (Q // BLOCK_S) + js), shape=(1, BLOCK_S),
+                    padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_S,))
+    return seq_t[:, None] == seq_s[None, :]
+
+
+def column_block(js, causal, ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, C, x, dt_out,
+                 dA_cumsum, seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N, N_PAD,
+                 HAS_SEQ, CHECK, PAD, LATENCY):
+    """Tile code: the weights w [H, M, S] of column block ``js`` of the block's rows, C Bᵀ
+    2^(a_t - a_s) dt_s, masked to s <= t when ``causal`` (the diagonal) and to the same
+    sequence when HAS_SEQ, in x's dtype, and that block's x [H, S, P]."""
+    m_per_chunk = Q // BLOCK_M
+    s_per_chunk = Q // BLOCK_S
+    cb = ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32)
+    for jn in range(N_PAD // BLOCK_N):
+        c_n = c_t
+        if BLOCK_N < N_PAD:
+            c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
+                          shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
+            c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
+        b_n = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, jn),
+                      shape=(1, BLOCK_S, 1, BLOCK_N), padding_mode=PAD, latency=LATENCY, check_bounds=CHECK)
+        b_n = b_n.reshape((BLOCK_S, BLOCK_N)).astype(x.dtype)  # [S, Nb]
+        cb = ct.mma(c_n, ct.transpose(b_n), cb)  # [M, S]
+    dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
+    dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
+    a_s = (dacs_s * LOG2E).reshape((BLOCK_H, BLOCK_S))  # [H, S]
+    seg = a_t[:, :, None] - a_s[:, None, :]  # [H, M, S]
+    # Mask the exponent, not the product: above the diagonal a_t - a_s is positive and its
+    # exp2 could overflow to inf, and inf * 0 = NaN.
+    if causal:
+        scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
+        keep = trow[:, None] >= scol[None, :]  # [M, S]
+        if HAS_SEQ:
+            keep = keep & same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S, CHECK, PAD)
+        seg = ct.where(keep[None, :, :], seg, -float("inf"))
+    elif HAS_SEQ:
+        keep = same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S, CHECK, PAD)
+        seg = ct.where(keep[None, :, :], seg, -float("inf"))
+    w = cb[None, :, :] * ct.exp2(seg) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
+    x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
+                  shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=PAD,
+                  latency=LATENCY, check_bounds=CHECK)
+    x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
+    return w.astype(x.dtype), x_s
+
+
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-              BLOCK_N, N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, PAD, LATENCY,
+              BLOCK_N, N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, PEEL, PAD, LATENCY,
               STATE_LATENCY):
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
@@ -85,51 +144,39 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
             scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
         acc = acc * scale_t[:, :, None]
 
-        # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row.
-        s_per_chunk = Q // BLOCK_S
-        s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
-        for js in range(s_end):
-            cb = ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32)
-            for jn in range(n_slices):
-                c_n = c_t
-                if BLOCK_N < N_PAD:
-                    c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
-                                  shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
-                    c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
-                b_n = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, jn),
-                              shape=(1, BLOCK_S, 1, BLOCK_N), padding_mode=PAD, latency=LATENCY, check_bounds=CHECK)
-                b_n = b_n.reshape((BLOCK_S, BLOCK_N)).astype(x.dtype)  # [S, Nb]
-                cb = ct.mma(c_n, ct.transpose(b_n), cb)  # [M, S]
-            dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-            dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-            scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
-            keep = trow[:, None] >= scol[None, :]  # [M, S] causal
-            if HAS_SEQ:
-                seq_s = ct.load(seq_idx, index=(ib, ic * s_per_chunk + js), shape=(1, BLOCK_S),
-                                padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_S,))
-                keep = keep & (seq_t[:, None] == seq_s[None, :])
-            # Mask the exponent, not the product: above the diagonal dA_cumsum[t] - dA_cumsum[s]
-            # is positive and exp() of it could overflow to inf, and inf * 0 = NaN.
-            seg = dacs_t[:, :, None] - dacs_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]  # [H, M, S]
-            seg = ct.where(keep[None, :, :], seg, -float("inf"))
-            w = cb[None, :, :] * ct.exp2(seg * LOG2E) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
-            x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
-                          shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=PAD,
-                          latency=LATENCY, check_bounds=CHECK)
-            x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
-            acc = ct.mma(w.astype(x.dtype), x_s, acc)  # [H, M, P]
+        # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row. Decays in
+        # log2 units, a = dA_cumsum log2(e) scaled per row and column, not per element.
+        a_t = dacs_t * LOG2E  # [H, M]
+        cols = (ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, C, x, dt_out, dA_cumsum, seq_idx, Q,
+                BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N, N_PAD, HAS_SEQ, CHECK, PAD, LATENCY)
+        if PEEL:
+            # Columns before the block's first row are below the diagonal: no causal mask.
+            for js in range(im * (BLOCK_M // BLOCK_S)):
+                w, x_s = column_block(js, False, *cols)
+                acc = ct.mma(w, x_s, acc)  # [H, M, P]
+            if BLOCK_S == BLOCK_M:
+                # The diagonal is one tile, and its x is the skip connection's (the same rows).
+                w, x_d = column_block(im, True, *cols)
+                acc = ct.mma(w, x_d, acc)
+                if HAS_D:
+                    acc = acc + x_d.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
+            else:  # up to the last column in the sequence (a tile wholly past it is undefined)
+                s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
+                for js in range(im * (BLOCK_M // BLOCK_S), s_end):
+                    w, x_s = column_block(js, True, *cols)
+                    acc = ct.mma(w, x_s, acc)
+        else:
+            s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
+            for js in range(s_end):
+                w, x_s = column_block(js, True, *cols)
+                acc = ct.mma(w, x_s, acc)  # [H, M, P]
 
         # 3. Skip connection and gate, in fp32.
-        if HAS_D:
+        if HAS_D and not (PEEL and BLOCK_S == BLOCK_M):  # (else added with the diagonal)
             x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
                           shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
             x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
-            if D_PER_HEAD:  # D (h,) as the layer holds it: no per-call expansion on the host
-                d = ct.load(D, index=(jh,), shape=(BLOCK_H,)).astype(ct.float32)[:, None, None]
-            else:
-                d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
-                d = d.astype(ct.float32)[:, None, :]
-            acc = acc + x_t.astype(ct.float32) * d  # [H, M, P]
+            acc = acc + x_t.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
         if HAS_Z:
             z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
                           shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
@@ -179,6 +226,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         HAS_SEQ: ConstBool,
         PERSISTENT: ConstBool,
         CHECK: ConstBool,
+        PEEL: ConstBool,
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -190,7 +238,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
                 nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N,
-                N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, pad, latency, state_latency)
+                N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, PEEL, pad, latency, state_latency)
         if PERSISTENT:
             m_tiles = Q // BLOCK_M
             hp_tiles = head_tiles * p_tiles
@@ -243,6 +291,6 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           config.block_p, min(config.block_n or n_pad, n_pad), n_pad,
                           D is not None, D is not None and D.dim() == 1, z is not None,
                           seq_idx is not None, config.persistent,
-                          check),
+                          check, config.peel),
            device=dev)
     return out

@@ -114,7 +114,9 @@ class ScanConfig:
     latency hint on the entering-state load. ``block_n``: the state dimension consumed that many
     entries at a time (the K loop of C . prev and C Bᵀ; None: all at once). ``persistent``: launch occupancy x SMs blocks that
     loop over the output tiles instead of one block per tile. ``unchecked``: skip the loads' and
-    stores' bounds checks where the launcher proves every tile in bounds (tileiras 13.4+)."""
+    stores' bounds checks where the launcher proves every tile in bounds (tileiras 13.4+).
+    ``peel``: walk the column blocks below the diagonal without the causal mask and the
+    diagonal last (with ``block_s == block_m`` its x tile also serves the skip connection)."""
 
     block_h: int = 2
     block_m: int = 64
@@ -127,6 +129,7 @@ class ScanConfig:
     state_latency: int | None = None
     persistent: bool = False
     unchecked: bool = False
+    peel: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_m", "block_s", "block_p"):

@@ -40,7 +40,14 @@ TGI = SSDConfig(state=StateConfig(unchecked=True),
                 scan=ScanConfig(persistent=True, state_latency=4, unchecked=True))
 TGI_N = SSDConfig(scan=ScanConfig(block_n=8, block_h=1, occupancy=3, unchecked=True))
 TGI_T = SSDConfig(state=StateConfig(transposed=True, block_n=64, unchecked=True))
-CONFIGS = (SPLIT, FUSED, TGI, TGI_N, TGI_T)
+# chunk_scan with the diagonal peeled off (branch next/peel): one diagonal tile whose x serves
+# the skip connection, and, with block_s < block_m, a masked diagonal loop of several tiles.
+PEEL = SSDConfig(scan=ScanConfig(peel=True))
+PEEL_S = SSDConfig(state=StateConfig(transposed=True, block_n=64),
+                   scan=ScanConfig(peel=True, block_s=32, persistent=True))
+NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, TGI=TGI, TGI_N=TGI_N, TGI_T=TGI_T, PEEL=PEEL, PEEL_S=PEEL_S)
+# SSD_TEST_CONFIGS=PEEL,PEEL_S checks only those (a screening run); default: all of them.
+CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
@@ -90,7 +97,7 @@ def test_model_like_chunk_sizes(chunk_size, gpu_record):
     spec = ProblemSpec(2, 1000, 8, 64, 128, 1, chunk_size=chunk_size, D="h", dt_bias=True,
                        dt_softplus=True, initial_states=True, z=True,
                        seq_boundaries=(300, 512), name=f"model-like-q{chunk_size}")
-    for config in (FUSED, TGI, TGI_N, TGI_T):
+    for config in [c for c in CONFIGS if c is not SPLIT]:
         check_stages(spec, "bfloat16", config, gpu_record, f"model-like/q{chunk_size}",
                      seed_for(spec.name))
 
