@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from .config import SSDConfig, default_config
+from .config import NARROW_STATE, SSDConfig, default_config
 from .env import ROOT, environment, gpu_slug, write_json
 
 
@@ -498,8 +498,10 @@ def config_space():
     """The searched space of the tiling study: (factor, chunk_size, SSDConfig) triples.
 
     One factor at a time around the shipped default at chunk size ``OUR_CHUNK`` (the first
-    triple): the chunk size; stage 2 (fused or split, entering-state dtype, the state slice
-    ``block_n``, the occupancy hint); chunk_scan (heads per block, occupancy hint, tile shape);
+    triple, which :func:`run_study` replaces per shape by what the API picks there): the chunk
+    size; stage 2 (fused or split, entering-state dtype, the state slice ``block_n``, its
+    layout, the narrow slices of few-block problems, the occupancy hint); chunk_scan (heads per
+    block, occupancy hint, persistent or one block per tile, tile shape);
     for each stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8
     worker warps instead of the compiler's 4). Choices interact, so this is not a grid: it
     shows what each knob is worth at the default.
@@ -512,8 +514,10 @@ def config_space():
     space += [("chunk size", q, d) for q in (64, 128, 256) if q != OUR_CHUNK]
     space += [("stage 2 split", OUR_CHUNK, st(fused=False))]
     space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
-    space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 64, 128)
+    space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 32, 64, 128)
               if v != d.state.block_n]
+    space += [("state layout", OUR_CHUNK, st(transposed=not d.state.transposed))]
+    space += [("state narrow", OUR_CHUNK, st(**NARROW_STATE))]
     space += [("state occupancy", OUR_CHUNK, st(occupancy=v)) for v in (None, 1, 2, 8)
               if v != d.state.occupancy]
     space += [("state hints", OUR_CHUNK, st(latency=2)), ("state hints", OUR_CHUNK, st(warps=8))]
@@ -521,6 +525,7 @@ def config_space():
     space += [("scan occupancy", OUR_CHUNK, sc(occupancy=v)) for v in (None, 1, 3)
               if v != d.scan.occupancy]
     space += [("scan hints", OUR_CHUNK, sc(latency=2)), ("scan hints", OUR_CHUNK, sc(warps=8))]
+    space += [("scan grid", OUR_CHUNK, sc(persistent=not d.scan.persistent))]
     space += [("scan tile", OUR_CHUNK, sc(block_m=bm, block_s=bs, block_p=bp))
               for bm, bs, bp in ((128, 64, 64), (64, 32, 64), (64, 64, 32))]
     return space
@@ -594,10 +599,8 @@ def config_label(q, cfg: SSDConfig) -> str:
         ("k", st.block_k, d.state.block_k), ("sp", st.block_p, d.state.block_p),
         ("ch", cfg.cumsum.block_h, d.cumsum.block_h)) if v != dv)
     flags = lambda pairs: "".join(f" {tag}" for tag, on in pairs if on)  # noqa: E731
-    st_flags = flags((("T", st.transposed), ("u", st.unchecked)))
-    sc_extra = (f"{f' n{sc.block_n}' if sc.block_n else ''}"
-                f"{f' sL{sc.state_latency}' if sc.state_latency else ''}"
-                + flags((("pers", sc.persistent), ("u", sc.unchecked), ("peel", sc.peel))))
+    st_flags = flags((("T", st.transposed and st.fused),))  # the split kernels ignore it
+    sc_extra = flags((("pers", sc.persistent),))
     return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n}{extra}{st_flags} "
             f"{_hints_label(st)} | h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p}"
             f"{sc_extra} {_hints_label(sc)}")
@@ -615,6 +618,8 @@ def run_study(shapes, space=None, reps=30) -> dict:
         inputs = make_inputs(shape)
         x, dt, A, B, C, D, bias = _forward_args(inputs)
         for factor, q, cfg in space:
+            if factor == "default":  # what the API picks for this shape (see default_config)
+                cfg = api.resolve_config(None, q, x, B)
             fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
                 x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)
             start = time.perf_counter()

@@ -13,7 +13,9 @@ flash attention: the [BLOCK_M, BLOCK_S] tile of C Bᵀ, its decay and mask live 
 registers and are consumed by the next MMA; the chunk x chunk matrix is never written to
 memory. C Bᵀ depends on the group, not the head, so the block's heads share one C Bᵀ tile:
 with one group (the Mamba-2 models) ``BLOCK_H`` heads cost one C Bᵀ MMA instead of
-``BLOCK_H``. Packed sequences (seq_idx)
+``BLOCK_H``. The column blocks before a block's first row lie wholly below the diagonal and
+walk without the causal mask; the diagonal comes last, and when it is one tile its x rows also
+give the skip connection D x. Packed sequences (seq_idx)
 mask the diagonal block to pairs in the same sequence and drop the entering state for rows
 whose sequence started inside the chunk.
 """
@@ -38,34 +40,25 @@ def skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD):
     return d.astype(ct.float32)[:, None, :]
 
 
-def same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S, CHECK, PAD):
+def same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S):
     """Tile code: [M, S] True where row t and column s of the chunk belong to one sequence."""
     seq_t = ct.load(seq_idx, index=(ib, ic * (Q // BLOCK_M) + im), shape=(1, BLOCK_M),
-                    padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_M,))
+                    padding_mode=ZERO).reshape((BLOCK_M,))
     seq_s = ct.load(seq_idx, index=(ib, ic * (Q // BLOCK_S) + js), shape=(1, BLOCK_S),
-                    padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_S,))
+                    padding_mode=ZERO).reshape((BLOCK_S,))
     return seq_t[:, None] == seq_s[None, :]
 
 
-def column_block(js, causal, ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, C, x, dt_out,
-                 dA_cumsum, seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N, N_PAD,
-                 HAS_SEQ, CHECK, PAD, LATENCY):
-    """Tile code: the weights w [H, M, S] of column block ``js`` of the block's rows, C Bᵀ
-    2^(a_t - a_s) dt_s, masked to s <= t when ``causal`` (the diagonal) and to the same
-    sequence when HAS_SEQ, in x's dtype, and that block's x [H, S, P]."""
-    m_per_chunk = Q // BLOCK_M
+def column_block(js, causal, ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum,
+                 seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY):
+    """Tile code: the weights w [H, M, S] of column block ``js`` for the block's rows,
+    C Bᵀ 2^(a_t - a_s) dt_s (a = dA_cumsum log2 e), masked to s <= t when ``causal`` (the
+    diagonal) and to one sequence when HAS_SEQ, in x's dtype; and that block's x [H, S, P]."""
     s_per_chunk = Q // BLOCK_S
-    cb = ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32)
-    for jn in range(N_PAD // BLOCK_N):
-        c_n = c_t
-        if BLOCK_N < N_PAD:
-            c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
-                          shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
-            c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
-        b_n = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, jn),
-                      shape=(1, BLOCK_S, 1, BLOCK_N), padding_mode=PAD, latency=LATENCY, check_bounds=CHECK)
-        b_n = b_n.reshape((BLOCK_S, BLOCK_N)).astype(x.dtype)  # [S, Nb]
-        cb = ct.mma(c_n, ct.transpose(b_n), cb)  # [M, S]
+    b_s = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, 0), shape=(1, BLOCK_S, 1, N_PAD),
+                  padding_mode=ZERO, latency=LATENCY)
+    b_s = b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype)  # [S, N]
+    cb = ct.mma(c_t, ct.transpose(b_s), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))  # [M, S]
     dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
     dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
     a_s = (dacs_s * LOG2E).reshape((BLOCK_H, BLOCK_S))  # [H, S]
@@ -76,123 +69,99 @@ def column_block(js, causal, ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, C, x, dt
         scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
         keep = trow[:, None] >= scol[None, :]  # [M, S]
         if HAS_SEQ:
-            keep = keep & same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S, CHECK, PAD)
+            keep = keep & same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S)
         seg = ct.where(keep[None, :, :], seg, -float("inf"))
     elif HAS_SEQ:
-        keep = same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S, CHECK, PAD)
+        keep = same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S)
         seg = ct.where(keep[None, :, :], seg, -float("inf"))
     w = cb[None, :, :] * ct.exp2(seg) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
     x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
-                  shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=PAD,
-                  latency=LATENCY, check_bounds=CHECK)
+                  shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO, latency=LATENCY)
     x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
     return w.astype(x.dtype), x_s
 
 
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-              BLOCK_N, N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, PEEL, PAD, LATENCY,
-              STATE_LATENCY):
+              N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, LATENCY):
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
     the ``BLOCK_H`` heads of head block ``hp // p_tiles``. One tile per block in the default
-    grid; a persistent block loops over many (see the kernel). The state dimension is consumed
-    ``BLOCK_N`` at a time (the K loop of C . prev and of C Bᵀ): smaller C, B and state tiles.
-    CHECK False skips the bounds checks of every load and store: the launcher passes it only
-    when every tile lies inside its array (l % q == 0, p % BLOCK_P == 0, n a power of two), and
-    then PAD is UNDETERMINED (tileiras 13.4 rejects a padding mode on an unchecked load)."""
+    grid; a persistent block loops over many (see the kernel)."""
     ib = bc // nchunks
     ic = bc % nchunks
     jh = hp // p_tiles  # head block: heads jh*BLOCK_H ... (jh+1)*BLOCK_H - 1
     ip = hp % p_tiles
     ig = (jh * BLOCK_H) // heads_per_group
     m_per_chunk = Q // BLOCK_M
-    n_slices = N_PAD // BLOCK_N
     # A tile entirely past the end of the sequence is undefined for load/store: skip it.
     if ic * Q + im * BLOCK_M < seqlen:
         trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
         dacs_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
         dacs_t = dacs_t.reshape((BLOCK_H, BLOCK_M))  # [H, M]
-        if HAS_SEQ:
-            seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im),
-                            shape=(1, BLOCK_M), padding_mode=PAD, check_bounds=CHECK).reshape((BLOCK_M,))
 
         # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [H, M, P]
-        # The whole state at once (BLOCK_N == N_PAD) keeps C in registers for the diagonal
-        # block too; slices reload C from cache but hold smaller tiles.
-        c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0),
-                      shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
-        c_t = c_t.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]: slice 0
-        acc = ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32)
-        for jn in range(n_slices):
-            c_n = c_t
-            if BLOCK_N < N_PAD:
-                c_n = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, jn),
-                              shape=(1, BLOCK_M, 1, BLOCK_N), padding_mode=PAD, check_bounds=CHECK)
-                c_n = c_n.reshape((BLOCK_M, BLOCK_N)).astype(x.dtype)  # [M, Nb]
-            prev = ct.load(prev_states, index=(ib, ic, jh, ip, jn),
-                           shape=(1, 1, BLOCK_H, BLOCK_P, BLOCK_N), padding_mode=PAD,
-                           latency=STATE_LATENCY, check_bounds=CHECK)
-            prev = prev.reshape((BLOCK_H, BLOCK_P, BLOCK_N)).astype(x.dtype)  # MMA in input dtype
-            acc = ct.mma(ct.broadcast_to(c_n[None, :, :], (BLOCK_H, BLOCK_M, BLOCK_N)),
-                         ct.permute(prev, (0, 2, 1)), acc)  # [H, M, P]
+        c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0), shape=(1, BLOCK_M, 1, N_PAD),
+                      padding_mode=ZERO)
+        c_t = c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype)  # [M, N], also the diagonal's
+        prev = ct.load(prev_states, index=(ib, ic, jh, ip, 0), shape=(1, 1, BLOCK_H, BLOCK_P, N_PAD),
+                       padding_mode=ZERO)
+        prev = prev.reshape((BLOCK_H, BLOCK_P, N_PAD)).astype(x.dtype)  # MMA in input dtype
+        acc = ct.mma(ct.broadcast_to(c_t[None, :, :], (BLOCK_H, BLOCK_M, N_PAD)),
+                     ct.permute(prev, (0, 2, 1)),
+                     ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))  # [H, M, P]
         scale_t = ct.exp2(dacs_t * LOG2E)  # [H, M], <= 1
         if HAS_SEQ:
             # The entering state belongs to the sequence that was running at the chunk start.
+            seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im), shape=(1, BLOCK_M),
+                            padding_mode=ZERO).reshape((BLOCK_M,))
             prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
             prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
             scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
         acc = acc * scale_t[:, :, None]
 
-        # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row. Decays in
-        # log2 units, a = dA_cumsum log2(e) scaled per row and column, not per element.
+        # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row. The column
+        # blocks before the block's first row lie below the diagonal and need no causal mask;
+        # the diagonal's comes last. Decays in log2 units, scaled per row and per column.
         a_t = dacs_t * LOG2E  # [H, M]
-        cols = (ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, C, x, dt_out, dA_cumsum, seq_idx, Q,
-                BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N, N_PAD, HAS_SEQ, CHECK, PAD, LATENCY)
-        if PEEL:
-            # Columns before the block's first row are below the diagonal: no causal mask.
-            for js in range(im * (BLOCK_M // BLOCK_S)):
-                w, x_s = column_block(js, False, *cols)
-                acc = ct.mma(w, x_s, acc)  # [H, M, P]
-            if BLOCK_S == BLOCK_M:
-                # The diagonal is one tile, and its x is the skip connection's (the same rows).
-                w, x_d = column_block(im, True, *cols)
-                acc = ct.mma(w, x_d, acc)
-                if HAS_D:
-                    acc = acc + x_d.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
-            else:  # up to the last column in the sequence (a tile wholly past it is undefined)
-                s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
-                for js in range(im * (BLOCK_M // BLOCK_S), s_end):
-                    w, x_s = column_block(js, True, *cols)
-                    acc = ct.mma(w, x_s, acc)
-        else:
+        cols = (ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum, seq_idx, Q,
+                BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY)
+        for js in range(im * (BLOCK_M // BLOCK_S)):
+            w, x_s = column_block(js, False, *cols)
+            acc = ct.mma(w, x_s, acc)  # [H, M, P]
+        if BLOCK_S == BLOCK_M:
+            # One diagonal tile, whose x rows are the skip connection's: D x[t] from it.
+            w, x_d = column_block(im, True, *cols)
+            acc = ct.mma(w, x_d, acc)
+            if HAS_D:
+                acc = acc + x_d.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
+        else:  # several diagonal tiles, up to the last column in the sequence (a tile wholly
+            # past its end is undefined), and D x[t] from a load of the block's own rows
             s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
-            for js in range(s_end):
+            for js in range(im * (BLOCK_M // BLOCK_S), s_end):
                 w, x_s = column_block(js, True, *cols)
-                acc = ct.mma(w, x_s, acc)  # [H, M, P]
+                acc = ct.mma(w, x_s, acc)
+            if HAS_D:
+                x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
+                              shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
+                x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
+                acc = acc + x_t.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
 
-        # 3. Skip connection and gate, in fp32.
-        if HAS_D and not (PEEL and BLOCK_S == BLOCK_M):  # (else added with the diagonal)
-            x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
-                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
-            x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
-            acc = acc + x_t.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
+        # 3. The gate, in fp32.
         if HAS_Z:
             z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
-                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=PAD, check_bounds=CHECK)
+                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
             z_t = ct.permute(z_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))
             z_t = z_t.astype(ct.float32)
             acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
         out = ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
-        ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype), check_bounds=CHECK)
+        ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
-                 state_latency=None, check=True):
+def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None):
     """The kernel for one index width and one set of compiler hints (see ScanConfig)."""
     Array = array_type(index_dtype)
-    pad = ZERO if check else ct.PaddingMode.UNDETERMINED
 
     @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_kernel(
@@ -218,15 +187,12 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         BLOCK_M: ConstInt,
         BLOCK_S: ConstInt,
         BLOCK_P: ConstInt,
-        BLOCK_N: ConstInt,
         N_PAD: ConstInt,
         HAS_D: ConstBool,
         D_PER_HEAD: ConstBool,
         HAS_Z: ConstBool,
         HAS_SEQ: ConstBool,
         PERSISTENT: ConstBool,
-        CHECK: ConstBool,
-        PEEL: ConstBool,
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -237,8 +203,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         BLOCK_H batched MMAs. Per-head data (decays, dt', x, states) is [H, ...].
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
-                nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, BLOCK_N,
-                N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, CHECK, PEEL, pad, latency, state_latency)
+                nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD,
+                HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, latency)
         if PERSISTENT:
             m_tiles = Q // BLOCK_M
             hp_tiles = head_tiles * p_tiles
@@ -274,9 +240,8 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     if (h // g) % config.block_h:
         raise ValueError(f"block_h={config.block_h} must divide the heads per group ({h // g}); "
                          "SSDConfig.for_problem picks one that does")
-    check = not (config.unchecked and l % q == 0 and p % config.block_p == 0 and n == next_pow2(n))
     kernel = build_kernel(index_dtype_for(x, z, out, prev_states), config.occupancy,
-                          config.latency, config.warps, config.state_latency, check)
+                          config.latency, config.warps)
     p_tiles = -(-p // config.block_p)
     n_pad = next_pow2(n)
     grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)
@@ -288,9 +253,7 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           optional(seq_idx, 2, torch.int32, dev),
                           optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles,
                           b, h // config.block_h, q, config.block_h, config.block_m, config.block_s,
-                          config.block_p, min(config.block_n or n_pad, n_pad), n_pad,
-                          D is not None, D is not None and D.dim() == 1, z is not None,
-                          seq_idx is not None, config.persistent,
-                          check, config.peel),
+                          config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
+                          z is not None, seq_idx is not None, config.persistent),
            device=dev)
     return out

@@ -27,8 +27,7 @@ LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the
 
 
 def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip,
-                     jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY, CHECK=True, PAD=ZERO,
-                     TRANSPOSED=False):
+                     jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY, TRANSPOSED=False):
     """Tile code: ``acc`` plus the [BLOCK_P, BLOCK_N] fp32 state of chunk ``ic`` for head
     ``ih`` (group ``ig``), channels ``ip*BLOCK_P ...``, state entries ``jn*BLOCK_N ...``. The
     chunk's MMAs accumulate into ``acc`` itself (zeros for the chunk's own state, the decayed
@@ -38,8 +37,7 @@ def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib
     chunk of x and B would not fit in registers next to the accumulator. K blocks that lie
     entirely past the sequence end are skipped (a tile fully out of bounds is undefined);
     partial ones load zeros and carry dt' = 0. ``LATENCY`` is the load hint for x and B
-    (:attr:`ssd.config.StateConfig.latency`). ``CHECK`` False (with ``PAD`` UNDETERMINED) skips
-    the bounds checks of x and B: only when every tile is in bounds (StateConfig.unchecked).
+    (:attr:`ssd.config.StateConfig.latency`).
     ``TRANSPOSED``: ``acc`` is the state transposed, [BLOCK_N, BLOCK_P], and the MMA is
     (w B)ᵀ x with B loaded as [BLOCK_N, BLOCK_K] (StateConfig.transposed).
     """
@@ -50,8 +48,8 @@ def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib
     k_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)
     for kk in range(k_end):
         row = ic * k_per_chunk + kk  # tile index along l in units of BLOCK_K
-        xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=PAD,
-                     latency=LATENCY, check_bounds=CHECK)
+        xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=ZERO,
+                     latency=LATENCY)
         xk = xk.reshape((BLOCK_K, BLOCK_P))  # [K, P]
         dacs = ct.load(dA_cumsum, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
         dtk = ct.load(dt_out, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
@@ -63,12 +61,12 @@ def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib
         # Fold the per-position weight into B in fp32, round once to x's dtype for the MMA.
         if TRANSPOSED:
             bt = ct.load(B, index=(ib, jn, ig, row), shape=(1, BLOCK_N, 1, BLOCK_K), order=(0, 3, 2, 1),
-                         padding_mode=PAD, latency=LATENCY, check_bounds=CHECK)
+                         padding_mode=ZERO, latency=LATENCY)
             bt = bt.reshape((BLOCK_N, BLOCK_K)).astype(ct.float32)  # [N, K]
             acc = ct.mma((bt * w[None, :]).astype(xk.dtype), xk, acc)  # [N, P], fp32 accumulation
         else:
-            bk = ct.load(B, index=(ib, row, ig, jn), shape=(1, BLOCK_K, 1, BLOCK_N), padding_mode=PAD,
-                         latency=LATENCY, check_bounds=CHECK)
+            bk = ct.load(B, index=(ib, row, ig, jn), shape=(1, BLOCK_K, 1, BLOCK_N), padding_mode=ZERO,
+                         latency=LATENCY)
             bk = bk.reshape((BLOCK_K, BLOCK_N)).astype(ct.float32)  # [K, N]
             bw = (bk * w[:, None]).astype(xk.dtype)  # [K, N]
             acc = ct.mma(ct.transpose(xk), bw, acc)  # [P, N], fp32 accumulation

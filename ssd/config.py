@@ -64,22 +64,19 @@ class StateConfig:
         (1 low ... 10 high; None: inferred by the compiler).
     warps: worker warps of a warp-specialised kernel (``num_worker_warps``: 4 or 8; None: the
         compiler's choice).
-    unchecked: the fused walk skips the bounds checks of x, B and the state stores where the
-        launcher proves every tile in bounds (tileiras 13.4+).
     transposed: the fused walk keeps its state slice transposed, [block_n, block_p], with the
         MMA (w B)ᵀ x (TileGym's tuned state kernel does); memory layouts unchanged.
     """
 
     block_p: int = 64
-    block_n: int = 32
+    block_n: int = 64
     block_k: int = 64
     fused: bool = True
     state_dtype: str = "input"
     occupancy: int | None = 4
     latency: int | None = None
     warps: int | None = None
-    unchecked: bool = False
-    transposed: bool = False
+    transposed: bool = True
 
     def __post_init__(self):
         for name in ("block_p", "block_n", "block_k"):
@@ -110,13 +107,8 @@ class ScanConfig:
     """Stage 3 (chunk_scan): a block owns ``block_m`` output rows of one chunk and ``block_p``
     channels of ``block_h`` heads of one group (they share the C Bᵀ tile), and walks the
     chunk's causal prefix ``block_s`` columns at a time. The hints ``occupancy``, ``latency``
-    (on the streamed loads of B and x) and ``warps`` as in StateConfig; ``state_latency`` the
-    latency hint on the entering-state load. ``block_n``: the state dimension consumed that many
-    entries at a time (the K loop of C . prev and C Bᵀ; None: all at once). ``persistent``: launch occupancy x SMs blocks that
-    loop over the output tiles instead of one block per tile. ``unchecked``: skip the loads' and
-    stores' bounds checks where the launcher proves every tile in bounds (tileiras 13.4+).
-    ``peel``: walk the column blocks below the diagonal without the causal mask and the
-    diagonal last (with ``block_s == block_m`` its x tile also serves the skip connection)."""
+    (on the streamed loads of B and x) and ``warps`` as in StateConfig. ``persistent``: launch
+    occupancy x SMs blocks that loop over the output tiles instead of one block per tile."""
 
     block_h: int = 2
     block_m: int = 64
@@ -125,22 +117,12 @@ class ScanConfig:
     occupancy: int | None = 2
     latency: int | None = None
     warps: int | None = None
-    block_n: int | None = None
-    state_latency: int | None = None
-    persistent: bool = False
-    unchecked: bool = False
-    peel: bool = False
+    persistent: bool = True
 
     def __post_init__(self):
         for name in ("block_h", "block_m", "block_s", "block_p"):
             _check_pow2(name, getattr(self, name))
-        if self.block_n is not None:
-            _check_pow2("block_n", self.block_n)
         _check_hints(self)
-        if self.state_latency is not None and not (isinstance(self.state_latency, int)
-                                                   and 1 <= self.state_latency <= 10):
-            raise ValueError(f"state_latency: expected None (compiler's choice) or 1..10, "
-                             f"got {self.state_latency!r}")
         if self.block_m % self.block_s:
             raise ValueError(f"block_s: must divide block_m={self.block_m}, got {self.block_s}")
 
@@ -192,9 +174,20 @@ _DEFAULTS = {
 MEASURED_ARCHS = (9,)
 
 
-def default_config(capability: tuple[int, int] | None = None) -> SSDConfig:
+# The fused stage-2 walk's parallelism is its block count, (b, h, state slices): below this
+# many blocks per SM the default takes narrower, untransposed state slices (twice the blocks).
+MIN_STAGE2_BLOCKS_PER_SM = 2
+NARROW_STATE = dict(block_n=32, transposed=False)
+
+
+def default_config(capability: tuple[int, int] | None = None,
+                   problem: tuple[int, int, int, int] | None = None,
+                   sms: int | None = None) -> SSDConfig:
     """Default config for a GPU of compute capability ``capability`` (None: the current GPU,
-    or the sm_90 default when there is none)."""
+    or the sm_90 default when there is none). Given the ``problem``'s (batch, heads, headdim,
+    dstate) and the GPU's ``sms``, a problem whose fused stage 2 would have fewer than
+    ``MIN_STAGE2_BLOCKS_PER_SM`` blocks per SM (few sequences, few heads) gets narrower state
+    slices: the Performance chapter measures both on the model shapes."""
     if capability is None:
         try:
             import torch
@@ -202,4 +195,9 @@ def default_config(capability: tuple[int, int] | None = None) -> SSDConfig:
             capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (9, 0)
         except ImportError:
             capability = (9, 0)
-    return _DEFAULTS.get(capability[0], _DEFAULTS[9])
+    config = _DEFAULTS.get(capability[0], _DEFAULTS[9])
+    if problem is not None and sms:
+        b, h, p, n = problem
+        if b * h * config.state.slices(p, n)[2] < MIN_STAGE2_BLOCKS_PER_SM * sms:
+            config = replace(config, state=replace(config.state, **NARROW_STATE))
+    return config

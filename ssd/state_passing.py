@@ -26,7 +26,7 @@ import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
 from .chunk_state import LOG2E, chunk_state_tile
-from .config import StateConfig, next_pow2
+from .config import StateConfig
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -46,12 +46,10 @@ def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None, check=True,
-                 transposed=False):
-    """The kernel for one index width and one set of compiler hints (see StateConfig); ``check``
-    False skips the bounds checks of the streamed loads and state stores (every tile in bounds)."""
+def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None, transposed=False):
+    """The kernel for one index width and one set of compiler hints (see StateConfig), the
+    running state transposed or not (``transposed``, fused walk only)."""
     Array = array_type(index_dtype)
-    pad = ZERO if check else ct.PaddingMode.UNDETERMINED
 
     @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def state_passing_kernel(
@@ -99,18 +97,16 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         for ic in range(nchunks):
             if transposed:
                 ct.store(prev_states, index=(ib, ic, ih, jn, ip), order=(0, 1, 2, 4, 3),
-                         tile=state.reshape((1, 1, 1, BLOCK_N, BLOCK_P)).astype(prev_states.dtype),
-                         check_bounds=check)
+                         tile=state.reshape((1, 1, 1, BLOCK_N, BLOCK_P)).astype(prev_states.dtype))
             else:
                 ct.store(prev_states, index=(ib, ic, ih, ip, jn),
-                         tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype),
-                         check_bounds=check)
+                         tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype))
             factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
             if FUSED:
                 state = chunk_state_tile(state * factor, x, B, dt_out, dA_cumsum, seq_idx,
                                          seq_last, seqlen, ib, ic, ih, ih // heads_per_group, ip,
                                          jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, latency,
-                                         check, pad, transposed)
+                                         transposed)
             else:
                 new = ct.load(states, index=(ib, ic, ih, ip, jn),
                               shape=(1, 1, 1, BLOCK_P, BLOCK_N)).reshape((BLOCK_P, BLOCK_N))
@@ -149,10 +145,8 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     prev_states, final_states = _outputs(b, nchunks, h, p, n, dev, config,
                                          x.dtype if fused else None, out)
     block_n, n_tiles, slices = config.slices(p, n)
-    check = not (config.unchecked and fused and x.shape[1] % q == 0 and p % config.block_p == 0
-                 and n == next_pow2(n))
     kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
-                          config.latency, config.warps, check, config.transposed and fused)
+                          config.latency, config.warps, config.transposed and fused)
     grid = (b, h, slices)
     launch(kernel, grid, (
         optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),

@@ -1,5 +1,7 @@
 """Tile configuration objects: validation, clamping to the problem, the dtype of the entering
 states (CPU only)."""
+from dataclasses import replace
+
 import pytest
 
 from ssd.config import ScanConfig, SSDConfig, StateConfig, default_config
@@ -102,20 +104,31 @@ def test_from_dict_reads_recordings_made_before_a_field_existed():
         SSDConfig.from_dict(record)
 
 
-@pytest.mark.parametrize("l,unchecked", [(256, True), (200, False)])
-def test_unchecked_only_where_every_tile_is_in_bounds(l, unchecked):
-    """The launchers turn the bounds checks off only when l % q == 0 (and p, n tile exactly)."""
+@pytest.mark.parametrize("b,h,narrow", [(1, 80, True), (4, 80, False), (8, 24, False)])
+def test_default_narrows_stage2_slices_where_the_fused_walk_has_few_blocks(b, h, narrow):
+    """On 132 SMs, one sequence of 80 heads (long-16k) gives the wide default 160 fused-walk
+    blocks, under two per SM: the default takes the narrow slices there, and only there."""
+    from ssd.config import MIN_STAGE2_BLOCKS_PER_SM, NARROW_STATE
+
+    wide = default_config((9, 0))
+    cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132)
+    assert (b * h * wide.state.slices(64, 128)[2] < MIN_STAGE2_BLOCKS_PER_SM * 132) is narrow
+    want = replace(wide.state, **NARROW_STATE) if narrow else wide.state
+    assert cfg.state == want and cfg.scan == wide.scan
+    if narrow:  # the narrow slices double the blocks
+        assert cfg.state.slices(64, 128)[2] == 2 * wide.state.slices(64, 128)[2]
+
+
+def test_persistent_chunk_scan_launches_one_axis_of_blocks():
     import torch
 
     from ssd import _launch
     from ssd.api import forward_stages
 
-    b, h, p, n = 1, 4, 64, 128
-    cfg = SSDConfig(state=StateConfig(unchecked=True),
-                    scan=ScanConfig(unchecked=True, persistent=True, state_latency=4))
+    b, l, h, p, n = 1, 256, 4, 64, 128
     with _launch.capture() as recs:
         forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
-                       torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128, config=cfg)
+                       torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128,
+                       config=SSDConfig(scan=ScanConfig(persistent=True)))
     scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")
-    assert scan.args[-1] is (not unchecked)          # CHECK, the kernel's last constant
-    assert scan.grid[1:] == (1, 1)                   # persistent: one axis of blocks
+    assert scan.grid[1:] == (1, 1)

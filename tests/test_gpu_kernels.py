@@ -19,34 +19,28 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd.config import ScanConfig, SSDConfig, StateConfig  # noqa: E402
+from ssd.config import NARROW_STATE, ScanConfig, SSDConfig, StateConfig  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
                           rel_err, run_stages)
 
 pytestmark = pytest.mark.gpu
 
-# The shipped default (fused stage 2, state sliced along n, heads sharing C Bᵀ, entering
-# states in the input dtype) and a split configuration with the other constant choices
-# (whole state per block, one head per block, fp32 entering states, no occupancy hint), so
+# The shipped default (fused stage 2 with its state slice transposed and sliced along n, a
+# persistent chunk_scan grid, heads sharing C Bᵀ, entering states in the input dtype) and a split
+# configuration with the other constant choices
+# (whole state per block, one head per block, fp32 entering states, no occupancy hint, one
+# chunk_scan block per tile), so
 # that both values of every kernel constant are exercised.
 FUSED = SSDConfig()
 SPLIT = SSDConfig(state=StateConfig(fused=False, block_n=128, state_dtype="float32", occupancy=None),
-                  scan=ScanConfig(block_h=1, occupancy=None))
-# TileGym's tuned choices as our knobs (branch next/tilegym-ideas): a persistent chunk_scan grid
-# with a latency hint on the entering states, the state dimension in slices, and unchecked
-# loads where every tile is in bounds (the launchers fall back to checked ones elsewhere).
-TGI = SSDConfig(state=StateConfig(unchecked=True),
-                scan=ScanConfig(persistent=True, state_latency=4, unchecked=True))
-TGI_N = SSDConfig(scan=ScanConfig(block_n=8, block_h=1, occupancy=3, unchecked=True))
-TGI_T = SSDConfig(state=StateConfig(transposed=True, block_n=64, unchecked=True))
-# chunk_scan with the diagonal peeled off (branch next/peel): one diagonal tile whose x serves
-# the skip connection, and, with block_s < block_m, a masked diagonal loop of several tiles.
-PEEL = SSDConfig(scan=ScanConfig(peel=True))
-PEEL_S = SSDConfig(state=StateConfig(transposed=True, block_n=64),
-                   scan=ScanConfig(peel=True, block_s=32, persistent=True))
-NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, TGI=TGI, TGI_N=TGI_N, TGI_T=TGI_T, PEEL=PEEL, PEEL_S=PEEL_S)
-# SSD_TEST_CONFIGS=PEEL,PEEL_S checks only those (a screening run); default: all of them.
+                  scan=ScanConfig(block_h=1, occupancy=None, persistent=False))
+# The default's narrow stage 2 (untransposed 32-wide state slices, for few-block problems) and
+# chunk_scan with a diagonal of several column tiles (block_s < block_m), one block per tile.
+NARROW = SSDConfig(state=StateConfig(**NARROW_STATE))
+S32 = SSDConfig(scan=ScanConfig(block_s=32, persistent=False))
+NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32)
+# SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
