@@ -121,7 +121,8 @@ def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig
     Args: x (b, l, h, p), B (b, l, g, n)."""
     if config is None:
         gpu = torch.cuda.get_device_properties(x.device)
-        config = default_config((gpu.major, gpu.minor), problem=(x.shape[0], x.shape[2], x.shape[3], B.shape[3]),
+        problem = (x.shape[0], x.shape[2], x.shape[3], B.shape[3])  # (b, h, p, n)
+        config = default_config((gpu.major, gpu.minor), problem=problem,
                                 sms=gpu.multi_processor_count)
     return config.for_problem(chunk_size, x.shape[-1], B.shape[-1], x.shape[2] // B.shape[2],
                               input_dtype=x.dtype)

@@ -494,12 +494,20 @@ def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
 # ----------------------------------------------------------------------------- configs
 
 
-def config_space():
+def shape_default(dims, sms: int, capability=(9, 0)) -> SSDConfig:
+    """The default the API picks for a shape of ``dims`` (b, l, h, p, n, g) on a GPU with
+    ``sms`` SMs (see :func:`ssd.config.default_config`), before clamping to the problem."""
+    b, _, h, p, n, _ = dims
+    return default_config(capability, problem=(b, h, p, n), sms=sms)
+
+
+def config_space(dims=None, sms: int | None = None):
     """The searched space of the tiling study: (factor, chunk_size, SSDConfig) triples.
 
-    One factor at a time around the shipped default at chunk size ``OUR_CHUNK`` (the first
-    triple, which :func:`run_study` replaces per shape by what the API picks there): the chunk
-    size; stage 2 (fused or split, entering-state dtype, the state slice ``block_n``, its
+    One factor at a time around the sm_90 default at chunk size ``OUR_CHUNK``. The first triple
+    is that default, or, given a shape's ``dims`` and the GPU's ``sms``, the default the API
+    picks for that shape (:func:`shape_default`; it differs where stage 2 would have few
+    blocks), so that the study times what ships. The factors: the chunk size; stage 2 (fused or split, entering-state dtype, the state slice ``block_n``, its
     layout, the narrow slices of few-block problems, the occupancy hint); chunk_scan (heads per
     block, occupancy hint, persistent or one block per tile, tile shape);
     for each stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8
@@ -510,7 +518,7 @@ def config_space():
     d = default_config((9, 0))
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
     sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
-    space = [("default", OUR_CHUNK, d)]
+    space = [("default", OUR_CHUNK, d if dims is None else shape_default(dims, sms))]
     space += [("chunk size", q, d) for q in (64, 128, 256) if q != OUR_CHUNK]
     space += [("stage 2 split", OUR_CHUNK, st(fused=False))]
     space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
@@ -607,19 +615,18 @@ def config_label(q, cfg: SSDConfig) -> str:
 
 
 def run_study(shapes, space=None, reps=30) -> dict:
-    """Time ours over the config space on each shape (graph replay, L2 flushed)."""
+    """Time ours over the config space on each shape (graph replay, L2 flushed): ``space``, or
+    per shape ``config_space(shape.dims, sms)``, whose first point is what the API ships there."""
     import torch
 
     from . import api
 
-    space = space or config_space()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for shape in _progress(shapes, "study"):
         inputs = make_inputs(shape)
         x, dt, A, B, C, D, bias = _forward_args(inputs)
-        for factor, q, cfg in space:
-            if factor == "default":  # what the API picks for this shape (see default_config)
-                cfg = api.resolve_config(None, q, x, B)
+        for factor, q, cfg in space or config_space(shape.dims, sms):
             fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
                 x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)
             start = time.perf_counter()

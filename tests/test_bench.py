@@ -2,6 +2,7 @@
 recorded-results plumbing the GPU chapters use, and the results folder names."""
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -227,3 +228,17 @@ def test_tilegym_configs_reads_the_tune_caches(monkeypatch):
     mamba2._chunk_cumsum_tune_cache = {}  # never ran: left out
     monkeypatch.setitem(sys.modules, mamba2.__name__, mamba2)
     assert peers.tilegym_configs() == {"compute_out": ["namespace(BLOCK_STATE=64)"]}
+
+
+def test_study_default_is_what_the_api_picks_per_shape():
+    """config_space(dims, sms) starts with the shape's API default: the narrow stage 2 for one
+    sequence of 80 heads on 132 SMs (long-16k), the sm_90 default for four (2.7b); the other
+    points stay one change from the sm_90 default either way."""
+    from ssd.config import NARROW_STATE
+
+    base = default_config((9, 0))
+    long16k, b27 = (1, 16384, 80, 64, 128, 1), (4, 4096, 80, 64, 128, 1)
+    assert bench.config_space(b27, 132)[0][2] == base == bench.shape_default(b27, 132)
+    narrow = bench.config_space(long16k, 132)
+    assert narrow[0][2].state == replace(base.state, **NARROW_STATE) != base.state
+    assert narrow[1:] == bench.config_space()[1:]
