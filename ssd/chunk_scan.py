@@ -40,17 +40,16 @@ def skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD):
     return d.astype(ct.float32)[:, None, :]
 
 
-def same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S):
-    """Tile code: [M, S] True where row t and column s of the chunk belong to one sequence."""
-    seq_t = ct.load(seq_idx, index=(ib, ic * (Q // BLOCK_M) + im), shape=(1, BLOCK_M),
-                    padding_mode=ZERO).reshape((BLOCK_M,))
+def same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S):
+    """Tile code: [M, S] True where row t (sequence ids ``seq_t`` [M], loaded once per tile)
+    and column s of the chunk belong to one sequence."""
     seq_s = ct.load(seq_idx, index=(ib, ic * (Q // BLOCK_S) + js), shape=(1, BLOCK_S),
                     padding_mode=ZERO).reshape((BLOCK_S,))
     return seq_t[:, None] == seq_s[None, :]
 
 
-def column_block(js, causal, ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum,
-                 seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY):
+def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum,
+                 seq_t, seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY):
     """Tile code: the weights w [H, M, S] of column block ``js`` for the block's rows,
     C Bᵀ 2^(a_t - a_s) dt_s (a = dA_cumsum log2 e), masked to s <= t when ``causal`` (the
     diagonal) and to one sequence when HAS_SEQ, in x's dtype; and that block's x [H, S, P]."""
@@ -69,10 +68,10 @@ def column_block(js, causal, ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, x, dt_ou
         scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
         keep = trow[:, None] >= scol[None, :]  # [M, S]
         if HAS_SEQ:
-            keep = keep & same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S)
+            keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
         seg = ct.where(keep[None, :, :], seg, -float("inf"))
     elif HAS_SEQ:
-        keep = same_sequence(seq_idx, ib, ic, im, js, Q, BLOCK_M, BLOCK_S)
+        keep = same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
         seg = ct.where(keep[None, :, :], seg, -float("inf"))
     w = cb[None, :, :] * ct.exp2(seg) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
     x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
@@ -112,19 +111,22 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
                      ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))  # [H, M, P]
         scale_t = ct.exp2(dacs_t * LOG2E)  # [H, M], <= 1
         if HAS_SEQ:
-            # The entering state belongs to the sequence that was running at the chunk start.
+            # The rows' sequence ids, once per tile (the column blocks compare with them too).
             seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im), shape=(1, BLOCK_M),
                             padding_mode=ZERO).reshape((BLOCK_M,))
+            # The entering state belongs to the sequence that was running at the chunk start.
             prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
             prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
             scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
+        else:
+            seq_t = ct.zeros((BLOCK_M,), dtype=ct.int32)  # unread without HAS_SEQ
         acc = acc * scale_t[:, :, None]
 
         # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row. The column
         # blocks before the block's first row lie below the diagonal and need no causal mask;
         # the diagonal's comes last. Decays in log2 units, scaled per row and per column.
         a_t = dacs_t * LOG2E  # [H, M]
-        cols = (ib, ic, im, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum, seq_idx, Q,
+        cols = (ib, ic, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum, seq_t, seq_idx, Q,
                 BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY)
         for js in range(im * (BLOCK_M // BLOCK_S)):
             w, x_s = column_block(js, False, *cols)
