@@ -91,8 +91,34 @@ _TORCH_TO_CT = {
 }
 
 
+# cuTile's launcher specialises a kernel on every array argument: a stride of 1 and a size of 1
+# become constants, strides and sizes are marked divisible where they are (strides by 16 bytes'
+# worth of elements, sizes by 16), and the base address is taken as 16-byte aligned. The
+# compiled code depends on these (on sm_90 they decide whether loads go through TMA), so an
+# ahead-of-time compile must make the same marks to get the kernel a GPU run would get.
+DIVISOR = 16
+
+
+def array_constraint(tensor, index_dtype):
+    """The ArrayConstraint cuTile's launcher derives from ``tensor`` (shape, strides, dtype)."""
+    from cuda.tile import compilation as C
+
+    per_16_bytes = DIVISOR // tensor.element_size()
+    unit = [s == 1 for s in tensor.stride()]
+    return C.ArrayConstraint(
+        dtype=getattr(ct, _TORCH_TO_CT[str(tensor.dtype)]), ndim=tensor.dim(),
+        index_dtype=index_dtype, alias_groups=(), may_alias_internally=False,
+        stride_lower_bound_incl=tuple(None if u else 0 for u in unit),
+        stride_constant=tuple(1 if u else None for u in unit),
+        stride_divisible_by=tuple(1 if u or s % per_16_bytes else per_16_bytes
+                                  for u, s in zip(unit, tensor.stride())),
+        shape_constant=tuple(1 if d == 1 else None for d in tensor.shape),
+        shape_divisible_by=tuple(DIVISOR if d % DIVISOR == 0 else 1 for d in tensor.shape),
+        base_addr_divisible_by=DIVISOR)
+
+
 def signature(record: Launch):
-    """An explicit KernelSignature for a captured launch (no GPU or driver needed)."""
+    """The KernelSignature a GPU launch of ``record`` would compile (no GPU or driver needed)."""
     from cuda.tile import compilation as C
 
     params = []
@@ -100,10 +126,7 @@ def signature(record: Launch):
         if kind == "const":
             params.append(arg)
         elif kind == "array":
-            params.append(C.ArrayConstraint(
-                dtype=getattr(ct, _TORCH_TO_CT[str(arg.dtype)]), ndim=arg.dim(),
-                index_dtype=index_dtype, stride_lower_bound_incl=0, alias_groups=(),
-                may_alias_internally=False))
+            params.append(array_constraint(arg, index_dtype))
         elif isinstance(arg, bool):
             params.append(C.ScalarConstraint(dtype=ct.bool_))
         elif isinstance(arg, int):
@@ -112,7 +135,6 @@ def signature(record: Launch):
             params.append(C.ScalarConstraint(dtype=ct.float32))
     return C.KernelSignature(parameters=params,
                              calling_convention=C.CallingConvention.cutile_python_v2())
-
 
 
 def optional(tensor, ndim: int, dtype, device):

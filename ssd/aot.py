@@ -2,9 +2,10 @@
 
 The stage launchers run on CPU tensors inside :func:`ssd._launch.capture`, which records each
 launch instead of queuing it; every record is then exported as a cubin with
-:func:`cuda.tile.compilation.export_kernel` for each target architecture. This exercises
-exactly the kernels, argument types and compile-time constants the GPU path would use, so a
-kernel that stops compiling fails CI (``tests/test_aot.py``) long before anyone runs it.
+:func:`cuda.tile.compilation.export_kernel` for each target architecture, under the signature
+cuTile's launcher would derive from the same tensors (:func:`ssd._launch.signature`). This
+exercises exactly the kernels, argument types and compile-time constants the GPU path would
+use, so a kernel that stops compiling fails CI (``tests/test_aot.py``) long before anyone runs it.
 
 The same cubins say what the compiler made of each configuration: registers per thread, the
 per-thread stack (where registers spill) and shared memory, read with ``cuobjdump
@@ -44,12 +45,14 @@ class Compiled:
 FEATURES = ("none", "layer", "all")
 
 
-def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 256, config=None):
+def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 256, config=None,
+                    dims=None):
     """Run the forward's launchers on small CPU tensors and return the recorded launches.
 
     features: "none" (x, dt, A, B, C only), "layer" (plus D, dt_bias and softplus, as a Mamba-2
     layer and the benchmark call it) or "all" (every optional input). The configuration is the
-    sm_90 default with ``fused`` overriding its stage 2, or ``config`` when given.
+    sm_90 default with ``fused`` overriding its stage 2, or ``config`` when given. ``dims``
+    (b, l, h, p, n, g) replaces the small default shape (a ragged last chunk, two groups).
     """
     import torch
 
@@ -60,7 +63,7 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
         raise ValueError(f"features: expected one of {FEATURES}, got {features!r}")
     t = getattr(torch, dtype)
     # Two heads per group at least, so chunk_scan's head block (block_h) is compiled as shipped.
-    b, l, h, p, n, g = 2, chunk_size + chunk_size // 2, 8, 64, 128, 2
+    b, l, h, p, n, g = dims or (2, chunk_size + chunk_size // 2, 8, 64, 128, 2)
     x = torch.randn(b, l, h, p, dtype=t)
     B, C = torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, g, n, dtype=t)
     dt, A = torch.rand(b, l, h, dtype=t), -torch.rand(h)
@@ -152,13 +155,18 @@ def resource_usage(cubin: bytes) -> dict:
 def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:
     """Registers, stack and shared memory of the stage-2 and chunk_scan kernels for every
     (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``), compiled for
-    ``arch`` with inputs of ``dtype`` and D, as the study runs them. The compile-time constants
-    do not depend on b, l or h, so the small capture shape stands for every study shape."""
+    ``arch`` with inputs of ``dtype`` and D, as the study runs them. The compiled code depends
+    on the compile-time constants and on how the launcher specialises the arrays (which sizes
+    are multiples of 16, which are 1: :func:`ssd._launch.array_constraint`), so the capture
+    shape has the 2.7b shape's pattern: batch not a multiple of 16, sequence, heads, head dim
+    and state multiples of 16, one group (130m's 24 heads and codestral-7b's 8 groups differ
+    from it in one array property each)."""
     from .bench import config_label
 
     rows = []
     for factor, q, cfg in space:
-        records = capture_forward(dtype, "layer", cfg.state.fused, chunk_size=q, config=cfg)
+        records = capture_forward(dtype, "layer", cfg.state.fused, chunk_size=q, config=cfg,
+                                  dims=(2, 2 * q, 16, 64, 128, 1))
         for record in records:
             name = record.kernel._pyfunc.__name__
             if name == "chunk_cumsum_kernel":

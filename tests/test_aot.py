@@ -61,3 +61,43 @@ def test_recorded_resources_are_what_this_compiler_makes():
 def test_capture_names_the_feature_sets_it_knows():
     with pytest.raises(ValueError, match="features: expected one of"):
         aot.capture_forward("bfloat16", features=True, fused=True)
+
+
+def test_signature_is_the_one_the_gpu_launch_compiled():
+    """The AOT signature marks the arrays as cuTile's launcher does, so the cubins (and the
+    resources the layout chapter reads from them) are the kernels a GPU run gets. The reference:
+    the kernel symbols Nsight Compute recorded for one 2.7b forward on the H200 (stop 12's
+    profile, results/h200/screening/stop12/), which name every array's constraints."""
+    import re
+
+    import torch
+    from cuda.tile.compilation import ArrayConstraint
+    from cuda.tile.compilation._name_mangling import demangle_kernel_name
+
+    from ssd import _launch
+    from ssd.api import forward_stages
+    from ssd.config import default_config
+    from ssd.env import ROOT
+
+    profile = (ROOT / "results/h200/screening/stop12/ncu-2.7b-TN-pers.txt").read_text()
+    symbols = {m.group(1): m.group(0) for m in
+               re.finditer(r"\b(state_passing_kernel|chunk_scan_kernel)_K\w+", profile)}
+    assert set(symbols) == {"state_passing_kernel", "chunk_scan_kernel"}
+    b, l, h, p, n, g = 4, 4096, 80, 64, 128, 1   # the profiled shape; empty: nothing is read
+    bf = torch.bfloat16
+    with _launch.capture() as records:
+        forward_stages(torch.empty(b, l, h, p, dtype=bf), torch.empty(b, l, h, dtype=bf),
+                       torch.empty(h), torch.empty(b, l, g, n, dtype=bf),
+                       torch.empty(b, l, g, n, dtype=bf), 128, D=torch.empty(h),
+                       dt_bias=torch.empty(h), dt_softplus=True,
+                       config=default_config((9, 0), problem=(b, h, p, n), sms=132))
+    checked = 0
+    for record in records:
+        name = record.kernel._pyfunc.__name__
+        if name not in symbols:
+            continue
+        arrays = lambda sig: [c for c in sig.parameters if isinstance(c, ArrayConstraint)]  # noqa: E731
+        ran = arrays(demangle_kernel_name(symbols[name])[1])
+        assert arrays(_launch.signature(record)) == ran, name
+        checked += len(ran)
+    assert checked == 21   # state_passing's 10 arrays and chunk_scan's 11
