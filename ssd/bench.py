@@ -507,9 +507,10 @@ def config_space(dims=None, sms: int | None = None):
     One factor at a time around the sm_90 default at chunk size ``OUR_CHUNK``. The first triple
     is that default, or, given a shape's ``dims`` and the GPU's ``sms``, the default the API
     picks for that shape (:func:`shape_default`; it differs where stage 2 would have few
-    blocks), so that the study times what ships. The factors: the chunk size; stage 2 (fused or split, entering-state dtype, the state slice ``block_n``, its
-    layout, the narrow slices of few-block problems, the occupancy hint); chunk_scan (heads per
-    block, occupancy hint, persistent or one block per tile, tile shape);
+    blocks), so that the study times what ships. The factors: the chunk size; stage 2 (fused
+    or split, entering-state dtype, the state slice ``block_n``, its layout, the narrow slices
+    of few-block problems, the occupancy hint); chunk_scan (heads per block, occupancy hint,
+    persistent or one block per tile, tile shape);
     for each stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8
     worker warps instead of the compiler's 4). Choices interact, so this is not a grid: it
     shows what each knob is worth at the default.

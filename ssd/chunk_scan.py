@@ -96,8 +96,8 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
     # A tile entirely past the end of the sequence is undefined for load/store: skip it.
     if ic * Q + im * BLOCK_M < seqlen:
         trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
-        dacs_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
-        dacs_t = dacs_t.reshape((BLOCK_H, BLOCK_M))  # [H, M]
+        a_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
+        a_t = a_t.reshape((BLOCK_H, BLOCK_M)) * LOG2E  # [H, M], decays in log2 units
 
         # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [H, M, P]
         c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0), shape=(1, BLOCK_M, 1, N_PAD),
@@ -109,7 +109,7 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
         acc = ct.mma(ct.broadcast_to(c_t[None, :, :], (BLOCK_H, BLOCK_M, N_PAD)),
                      ct.permute(prev, (0, 2, 1)),
                      ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))  # [H, M, P]
-        scale_t = ct.exp2(dacs_t * LOG2E)  # [H, M], <= 1
+        scale_t = ct.exp2(a_t)  # [H, M], <= 1
         if HAS_SEQ:
             # The rows' sequence ids, once per tile (the column blocks compare with them too).
             seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im), shape=(1, BLOCK_M),
@@ -125,7 +125,6 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
         # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row. The column
         # blocks before the block's first row lie below the diagonal and need no causal mask;
         # the diagonal's comes last. Decays in log2 units, scaled per row and per column.
-        a_t = dacs_t * LOG2E  # [H, M]
         cols = (ib, ic, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum, seq_t, seq_idx, Q,
                 BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY)
         for js in range(im * (BLOCK_M // BLOCK_S)):

@@ -27,11 +27,10 @@ from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of, 
 pytestmark = pytest.mark.gpu
 
 # The shipped default (fused stage 2 with its state slice transposed and sliced along n, a
-# persistent chunk_scan grid, heads sharing C Bᵀ, entering states in the input dtype) and a split
-# configuration with the other constant choices
-# (whole state per block, one head per block, fp32 entering states, no occupancy hint, one
-# chunk_scan block per tile), so
-# that both values of every kernel constant are exercised.
+# persistent chunk_scan grid, heads sharing C Bᵀ, entering states in the input dtype) and a
+# split configuration with the other constant choices (whole state per block, one head per
+# block, fp32 entering states, no occupancy hint, one chunk_scan block per tile), so that both
+# values of every kernel constant are exercised.
 FUSED = SSDConfig()
 SPLIT = SSDConfig(state=StateConfig(fused=False, block_n=128, state_dtype="float32", occupancy=None),
                   scan=ScanConfig(block_h=1, occupancy=None, persistent=False))
