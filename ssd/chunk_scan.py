@@ -15,7 +15,9 @@ memory. C Bᵀ depends on the group, not the head, so the block's heads share on
 with one group (the Mamba-2 models) ``BLOCK_H`` heads cost one C Bᵀ MMA instead of
 ``BLOCK_H``. The column blocks before a block's first row lie wholly below the diagonal and
 walk without the causal mask; the diagonal comes last, and when it is one tile its x rows also
-give the skip connection D x. Packed sequences (seq_idx)
+give the skip connection D x. With one head per block (``BLOCK_H`` 1) every tile is 2-D
+and so is every MMA, which sm_90 runs as a warpgroup MMA (wgmma); a leading head axis makes an
+MMA batched, which the compiler lowers to warp-level mma.sync instead. Packed sequences (seq_idx)
 mask the diagonal block to pairs in the same sequence and drop the entering state for rows
 whose sequence started inside the chunk.
 """
@@ -32,12 +34,26 @@ ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 
 
+def per_head(t, shape, BLOCK_H):
+    """Tile code: a loaded tile whose head axis is BLOCK_H long, as [BLOCK_H, *shape], or as
+    ``shape`` itself with one head (no head axis: 2-D tiles, 2-D MMAs)."""
+    return t.reshape(shape) if BLOCK_H == 1 else t.reshape((BLOCK_H,) + shape)
+
+
+def token_major(t, BLOCK_H, BLOCK_T, BLOCK_P):
+    """Tile code: a [1, T, H, P] tile of a (b, l, h, p) array as [H, T, P] (or [T, P])."""
+    if BLOCK_H == 1:
+        return t.reshape((BLOCK_T, BLOCK_P))
+    return ct.permute(t.reshape((BLOCK_T, BLOCK_H, BLOCK_P)), (1, 0, 2))
+
+
 def skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD):
     """Tile code: D of the block's heads and channels as an fp32 factor of x [H, M, P]."""
     if D_PER_HEAD:  # D (h,) as the layer holds it: no per-call expansion on the host
-        return ct.load(D, index=(jh,), shape=(BLOCK_H,)).astype(ct.float32)[:, None, None]
+        d = ct.load(D, index=(jh,), shape=(BLOCK_H,)).astype(ct.float32)
+        return d.reshape((1, 1)) if BLOCK_H == 1 else d[:, None, None]
     d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
-    return d.astype(ct.float32)[:, None, :]
+    return per_head(d.astype(ct.float32), (1, BLOCK_P), BLOCK_H)
 
 
 def same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S):
@@ -59,9 +75,10 @@ def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, d
     b_s = b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype)  # [S, N]
     cb = ct.mma(c_t, ct.transpose(b_s), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))  # [M, S]
     dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-    dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-    a_s = (dacs_s * LOG2E).reshape((BLOCK_H, BLOCK_S))  # [H, S]
-    seg = a_t[:, :, None] - a_s[:, None, :]  # [H, M, S]
+    dt_s = per_head(ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S)),
+                    (BLOCK_S,), BLOCK_H)  # [H, S]
+    a_s = per_head(dacs_s * LOG2E, (BLOCK_S,), BLOCK_H)  # [H, S]
+    seg = a_t[..., :, None] - a_s[..., None, :]  # [H, M, S] (the ... is the head axis, if any)
     # Mask the exponent, not the product: above the diagonal a_t - a_s is positive and its
     # exp2 could overflow to inf, and inf * 0 = NaN.
     if causal:
@@ -69,15 +86,17 @@ def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, d
         keep = trow[:, None] >= scol[None, :]  # [M, S]
         if HAS_SEQ:
             keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
-        seg = ct.where(keep[None, :, :], seg, -float("inf"))
+        seg = ct.where(keep, seg, -float("inf"))
     elif HAS_SEQ:
         keep = same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
-        seg = ct.where(keep[None, :, :], seg, -float("inf"))
-    w = cb[None, :, :] * ct.exp2(seg) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
+        seg = ct.where(keep, seg, -float("inf"))
+    # flush_to_zero: a weight below 2^-126 is invisible beside the others in an fp32 sum that
+    # ends in bf16, and without it every exp2 carries a compare and two multiplies that scale
+    # subnormal results.
+    w = cb * ct.exp2(seg, flush_to_zero=True) * dt_s[..., None, :]  # [H, M, S]
     x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
                   shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO, latency=LATENCY)
-    x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
-    return w.astype(x.dtype), x_s
+    return w.astype(x.dtype), token_major(x_s, BLOCK_H, BLOCK_S, BLOCK_P)  # [H, S, P]
 
 
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
@@ -97,7 +116,7 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
     if ic * Q + im * BLOCK_M < seqlen:
         trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
         dacs_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
-        dacs_t = dacs_t.reshape((BLOCK_H, BLOCK_M))  # [H, M]
+        dacs_t = per_head(dacs_t, (BLOCK_M,), BLOCK_H)  # [H, M]
 
         # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [H, M, P]
         c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0), shape=(1, BLOCK_M, 1, N_PAD),
@@ -105,10 +124,13 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
         c_t = c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype)  # [M, N], also the diagonal's
         prev = ct.load(prev_states, index=(ib, ic, jh, ip, 0), shape=(1, 1, BLOCK_H, BLOCK_P, N_PAD),
                        padding_mode=ZERO)
-        prev = prev.reshape((BLOCK_H, BLOCK_P, N_PAD)).astype(x.dtype)  # MMA in input dtype
-        acc = ct.mma(ct.broadcast_to(c_t[None, :, :], (BLOCK_H, BLOCK_M, N_PAD)),
-                     ct.permute(prev, (0, 2, 1)),
-                     ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))  # [H, M, P]
+        prev = per_head(prev, (BLOCK_P, N_PAD), BLOCK_H).astype(x.dtype)  # MMA in input dtype
+        if BLOCK_H == 1:
+            acc = ct.mma(c_t, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
+        else:
+            acc = ct.mma(ct.broadcast_to(c_t[None, :, :], (BLOCK_H, BLOCK_M, N_PAD)),
+                         ct.permute(prev, (0, 2, 1)),
+                         ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))  # [H, M, P]
         scale_t = ct.exp2(dacs_t * LOG2E)  # [H, M], <= 1
         if HAS_SEQ:
             # The rows' sequence ids, once per tile (the column blocks compare with them too).
@@ -117,10 +139,10 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
             # The entering state belongs to the sequence that was running at the chunk start.
             prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
             prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
-            scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
+            scale_t = ct.where(seq_t == prev_seq, scale_t, 0.0)
         else:
             seq_t = ct.zeros((BLOCK_M,), dtype=ct.int32)  # unread without HAS_SEQ
-        acc = acc * scale_t[:, :, None]
+        acc = acc * scale_t[..., None]
 
         # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row. The column
         # blocks before the block's first row lie below the diagonal and need no causal mask;
@@ -146,17 +168,17 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
             if HAS_D:
                 x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
                               shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
-                x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
+                x_t = token_major(x_t, BLOCK_H, BLOCK_M, BLOCK_P)  # [H, M, P]
                 acc = acc + x_t.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
 
         # 3. The gate, in fp32.
         if HAS_Z:
             z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
                           shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
-            z_t = ct.permute(z_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))
-            z_t = z_t.astype(ct.float32)
+            z_t = token_major(z_t, BLOCK_H, BLOCK_M, BLOCK_P).astype(ct.float32)
             acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
-        out = ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
+        out = acc if BLOCK_H == 1 else ct.permute(acc, (1, 0, 2))  # [M, H, P]
+        out = out.reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
         ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype))
 
 
@@ -202,7 +224,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
 
         Tiles carry a leading BLOCK_H axis: the block's heads (all in one group) share C, B
         and therefore the C Bᵀ tile, which is computed once per column block and reused by
-        BLOCK_H batched MMAs. Per-head data (decays, dt', x, states) is [H, ...].
+        BLOCK_H batched MMAs. Per-head data (decays, dt', x, states) is [H, ...]; with
+        BLOCK_H 1 there is no head axis (2-D tiles and MMAs).
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
                 nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD,
