@@ -15,7 +15,9 @@ memory. C Bᵀ depends on the group, not the head, so the block's heads share on
 with one group (the Mamba-2 models) ``BLOCK_H`` heads cost one C Bᵀ MMA instead of
 ``BLOCK_H``. The column blocks before a block's first row lie wholly below the diagonal and
 walk without the causal mask; the diagonal comes last, and when it is one tile its x rows also
-give the skip connection D x. Packed sequences (seq_idx)
+give the skip connection D x. Every tile is 2-D (per-head tiles are tuples of BLOCK_H) and so
+is every MMA, which sm_90 runs as a warpgroup MMA (wgmma); a leading head axis would make an
+MMA batched, which the compiler lowers to warp-level mma.sync instead. Packed sequences (seq_idx)
 mask the diagonal block to pairs in the same sequence and drop the entering state for rows
 whose sequence started inside the chunk.
 """
@@ -32,12 +34,27 @@ ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 
 
-def skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD):
-    """Tile code: D of the block's heads and channels as an fp32 factor of x [H, M, P]."""
+def skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD):
+    """Tile code: D of head ``ih`` (and the block's channels) as an fp32 factor of x [M, P]."""
     if D_PER_HEAD:  # D (h,) as the layer holds it: no per-call expansion on the host
-        return ct.load(D, index=(jh,), shape=(BLOCK_H,)).astype(ct.float32)[:, None, None]
-    d = ct.load(D, index=(jh, ip), shape=(BLOCK_H, BLOCK_P), padding_mode=ZERO)
-    return d.astype(ct.float32)[:, None, :]
+        return ct.load(D, index=(ih,), shape=(1,)).astype(ct.float32).reshape((1, 1))
+    d = ct.load(D, index=(ih, ip), shape=(1, BLOCK_P), padding_mode=ZERO)
+    return d.astype(ct.float32)  # [1, P]
+
+
+def head_rows(arr, ib, l_tile, ih, ip, BLOCK_T, BLOCK_P, LATENCY=None):
+    """Tile code: rows ``l_tile*BLOCK_T ...`` of one head of a (b, l, h, p) array, [T, P]."""
+    t = ct.load(arr, index=(ib, l_tile, ih, ip), shape=(1, BLOCK_T, 1, BLOCK_P),
+                padding_mode=ZERO, latency=LATENCY)
+    return t.reshape((BLOCK_T, BLOCK_P))
+
+
+def mma_heads(ws, xs, accs, BLOCK_H):
+    """Tile code: acc_j += w_j x_j for each head j of the block: BLOCK_H 2-D MMAs."""
+    out = ()
+    for j in ct.static_iter(range(BLOCK_H)):
+        out += (ct.mma(ws[j], xs[j], accs[j]),)
+    return out
 
 
 def same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S):
@@ -48,36 +65,41 @@ def same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S):
     return seq_t[:, None] == seq_s[None, :]
 
 
-def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum,
+def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, dA_cumsum,
                  seq_t, seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY):
-    """Tile code: the weights w [H, M, S] of column block ``js`` for the block's rows,
-    C Bᵀ 2^(a_t - a_s) dt_s (a = dA_cumsum log2 e), masked to s <= t when ``causal`` (the
-    diagonal) and to one sequence when HAS_SEQ, in x's dtype; and that block's x [H, S, P]."""
+    """Tile code: column block ``js`` for each head j of the block (``a_ts``: the rows' decays
+    [M] per head, log2 units): the weights w_j [M, S] = C Bᵀ 2^(a_t - a_s) dt_s, masked to
+    s <= t when ``causal`` (the diagonal) and to one sequence when HAS_SEQ, in x's dtype, and
+    the block's x_j [S, P]; two tuples of BLOCK_H tiles. C Bᵀ is computed once for them all."""
     s_per_chunk = Q // BLOCK_S
     b_s = ct.load(B, index=(ib, ic * s_per_chunk + js, ig, 0), shape=(1, BLOCK_S, 1, N_PAD),
                   padding_mode=ZERO, latency=LATENCY)
     b_s = b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype)  # [S, N]
     cb = ct.mma(c_t, ct.transpose(b_s), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))  # [M, S]
-    dacs_s = ct.load(dA_cumsum, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-    dt_s = ct.load(dt_out, index=(ib, jh, ic, js), shape=(1, BLOCK_H, 1, BLOCK_S))
-    a_s = (dacs_s * LOG2E).reshape((BLOCK_H, BLOCK_S))  # [H, S]
-    seg = a_t[:, :, None] - a_s[:, None, :]  # [H, M, S]
     # Mask the exponent, not the product: above the diagonal a_t - a_s is positive and its
     # exp2 could overflow to inf, and inf * 0 = NaN.
+    keep = ct.full((BLOCK_M, BLOCK_S), True, dtype=ct.bool_)
     if causal:
         scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
         keep = trow[:, None] >= scol[None, :]  # [M, S]
-        if HAS_SEQ:
-            keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
-        seg = ct.where(keep[None, :, :], seg, -float("inf"))
-    elif HAS_SEQ:
-        keep = same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
-        seg = ct.where(keep[None, :, :], seg, -float("inf"))
-    w = cb[None, :, :] * ct.exp2(seg) * dt_s.reshape((BLOCK_H, BLOCK_S))[:, None, :]
-    x_s = ct.load(x, index=(ib, ic * s_per_chunk + js, jh, ip),
-                  shape=(1, BLOCK_S, BLOCK_H, BLOCK_P), padding_mode=ZERO, latency=LATENCY)
-    x_s = ct.permute(x_s.reshape((BLOCK_S, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, S, P]
-    return w.astype(x.dtype), x_s
+    if HAS_SEQ:
+        keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
+    ws, xs = (), ()
+    for j in ct.static_iter(range(BLOCK_H)):
+        ih = jh * BLOCK_H + j
+        a_s = ct.load(dA_cumsum, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
+        a_s = a_s.reshape((BLOCK_S,)) * LOG2E  # [S]
+        dt_s = ct.load(dt_out, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S)).reshape((BLOCK_S,))
+        seg = a_ts[j][:, None] - a_s[None, :]  # [M, S]
+        if causal or HAS_SEQ:
+            seg = ct.where(keep, seg, -float("inf"))
+        # flush_to_zero: a weight below 2^-126 is invisible beside the others in an fp32 sum
+        # that ends in bf16, and without it every exp2 carries a compare and two multiplies that
+        # scale subnormal results.
+        w = cb * ct.exp2(seg, flush_to_zero=True) * dt_s[None, :]  # [M, S]
+        ws += (w.astype(x.dtype),)
+        xs += (head_rows(x, ib, ic * s_per_chunk + js, ih, ip, BLOCK_S, BLOCK_P, LATENCY),)
+    return ws, xs
 
 
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
@@ -86,77 +108,82 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
     the ``BLOCK_H`` heads of head block ``hp // p_tiles``. One tile per block in the default
-    grid; a persistent block loops over many (see the kernel)."""
+    grid; a persistent block loops over many (see the kernel). Every tile is 2-D, one per head
+    where it is per head (tuples of BLOCK_H tiles): 2-D MMAs run as wgmma on sm_90, where a
+    leading head axis would make them batched mma.sync."""
     ib = bc // nchunks
     ic = bc % nchunks
     jh = hp // p_tiles  # head block: heads jh*BLOCK_H ... (jh+1)*BLOCK_H - 1
     ip = hp % p_tiles
     ig = (jh * BLOCK_H) // heads_per_group
     m_per_chunk = Q // BLOCK_M
+    rows = ic * m_per_chunk + im  # the block's rows, in BLOCK_M tiles of the sequence
     # A tile entirely past the end of the sequence is undefined for load/store: skip it.
     if ic * Q + im * BLOCK_M < seqlen:
         trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
-        a_t = ct.load(dA_cumsum, index=(ib, jh, ic, im), shape=(1, BLOCK_H, 1, BLOCK_M))
-        a_t = a_t.reshape((BLOCK_H, BLOCK_M)) * LOG2E  # [H, M], decays in log2 units
-
-        # 1. Entering state: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [H, M, P]
-        c_t = ct.load(C, index=(ib, ic * m_per_chunk + im, ig, 0), shape=(1, BLOCK_M, 1, N_PAD),
-                      padding_mode=ZERO)
+        c_t = ct.load(C, index=(ib, rows, ig, 0), shape=(1, BLOCK_M, 1, N_PAD), padding_mode=ZERO)
         c_t = c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype)  # [M, N], also the diagonal's
-        prev = ct.load(prev_states, index=(ib, ic, jh, ip, 0), shape=(1, 1, BLOCK_H, BLOCK_P, N_PAD),
-                       padding_mode=ZERO)
-        prev = prev.reshape((BLOCK_H, BLOCK_P, N_PAD)).astype(x.dtype)  # MMA in input dtype
-        acc = ct.mma(ct.broadcast_to(c_t[None, :, :], (BLOCK_H, BLOCK_M, N_PAD)),
-                     ct.permute(prev, (0, 2, 1)),
-                     ct.zeros((BLOCK_H, BLOCK_M, BLOCK_P), dtype=ct.float32))  # [H, M, P]
-        scale_t = ct.exp2(a_t)  # [H, M], <= 1
         if HAS_SEQ:
-            # The rows' sequence ids, once per tile (the column blocks compare with them too).
-            seq_t = ct.load(seq_idx, index=(ib, ic * m_per_chunk + im), shape=(1, BLOCK_M),
+            # The rows' sequence ids, once per tile (the column blocks compare with them too),
+            # and the sequence running at the chunk start, whose state enters the chunk.
+            seq_t = ct.load(seq_idx, index=(ib, rows), shape=(1, BLOCK_M),
                             padding_mode=ZERO).reshape((BLOCK_M,))
-            # The entering state belongs to the sequence that was running at the chunk start.
             prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
             prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
-            scale_t = ct.where((seq_t == prev_seq)[None, :], scale_t, 0.0)
+            # Rows whose sequence began inside the chunk take no entering state: zero their C
+            # for that MMA (a copy: the diagonal's C Bᵀ needs every row).
+            c_in = ct.where((seq_t == prev_seq)[:, None], c_t, 0.0).astype(x.dtype)
         else:
             seq_t = ct.zeros((BLOCK_M,), dtype=ct.int32)  # unread without HAS_SEQ
-        acc = acc * scale_t[:, :, None]
+            c_in = c_t
+
+        # 1. Entering state, per head: exp(dA_cumsum[t]) * C[t] . prev_states[c]   -> [M, P]
+        a_ts, accs = (), ()
+        for j in ct.static_iter(range(BLOCK_H)):
+            ih = jh * BLOCK_H + j
+            a_t = ct.load(dA_cumsum, index=(ib, ih, ic, im), shape=(1, 1, 1, BLOCK_M))
+            a_t = a_t.reshape((BLOCK_M,)) * LOG2E  # [M], log2 units
+            prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
+                           padding_mode=ZERO)
+            prev = prev.reshape((BLOCK_P, N_PAD)).astype(x.dtype)  # MMA in input dtype
+            acc = ct.mma(c_in, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
+            a_ts += (a_t,)
+            accs += (acc * ct.exp2(a_t)[:, None],)  # decay from the chunk start, <= 1
 
         # 2. Diagonal block, BLOCK_S columns at a time up to the block's last row. The column
         # blocks before the block's first row lie below the diagonal and need no causal mask;
-        # the diagonal's comes last. Decays in log2 units, scaled per row and per column.
-        cols = (ib, ic, jh, ig, ip, trow, a_t, c_t, B, x, dt_out, dA_cumsum, seq_t, seq_idx, Q,
+        # the diagonal's comes last.
+        cols = (ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, dA_cumsum, seq_t, seq_idx, Q,
                 BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY)
         for js in range(im * (BLOCK_M // BLOCK_S)):
-            w, x_s = column_block(js, False, *cols)
-            acc = ct.mma(w, x_s, acc)  # [H, M, P]
+            ws, xs = column_block(js, False, *cols)
+            accs = mma_heads(ws, xs, accs, BLOCK_H)
         if BLOCK_S == BLOCK_M:
             # One diagonal tile, whose x rows are the skip connection's: D x[t] from it.
-            w, x_d = column_block(im, True, *cols)
-            acc = ct.mma(w, x_d, acc)
-            if HAS_D:
-                acc = acc + x_d.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
+            ws, x_ts = column_block(im, True, *cols)
+            accs = mma_heads(ws, x_ts, accs, BLOCK_H)
         else:  # several diagonal tiles, up to the last column in the sequence (a tile wholly
             # past its end is undefined), and D x[t] from a load of the block's own rows
             s_end = ct.cdiv(ct.minimum((im + 1) * BLOCK_M, seqlen - ic * Q), BLOCK_S)
             for js in range(im * (BLOCK_M // BLOCK_S), s_end):
-                w, x_s = column_block(js, True, *cols)
-                acc = ct.mma(w, x_s, acc)
+                ws, xs = column_block(js, True, *cols)
+                accs = mma_heads(ws, xs, accs, BLOCK_H)
+            x_ts = ()
             if HAS_D:
-                x_t = ct.load(x, index=(ib, ic * m_per_chunk + im, jh, ip),
-                              shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
-                x_t = ct.permute(x_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))  # [H, M, P]
-                acc = acc + x_t.astype(ct.float32) * skip_factor(D, jh, ip, BLOCK_H, BLOCK_P, D_PER_HEAD)
+                for j in ct.static_iter(range(BLOCK_H)):
+                    x_ts += (head_rows(x, ib, rows, jh * BLOCK_H + j, ip, BLOCK_M, BLOCK_P),)
 
-        # 3. The gate, in fp32.
-        if HAS_Z:
-            z_t = ct.load(z, index=(ib, ic * m_per_chunk + im, jh, ip),
-                          shape=(1, BLOCK_M, BLOCK_H, BLOCK_P), padding_mode=ZERO)
-            z_t = ct.permute(z_t.reshape((BLOCK_M, BLOCK_H, BLOCK_P)), (1, 0, 2))
-            z_t = z_t.astype(ct.float32)
-            acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
-        out = ct.permute(acc, (1, 0, 2)).reshape((1, BLOCK_M, BLOCK_H, BLOCK_P))
-        ct.store(y, index=(ib, ic * m_per_chunk + im, jh, ip), tile=out.astype(y.dtype))
+        # 3. The skip connection and the gate, in fp32; the store, per head.
+        for j in ct.static_iter(range(BLOCK_H)):
+            ih = jh * BLOCK_H + j
+            acc = accs[j]
+            if HAS_D:
+                acc = acc + x_ts[j].astype(ct.float32) * skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD)
+            if HAS_Z:
+                z_t = head_rows(z, ib, rows, ih, ip, BLOCK_M, BLOCK_P).astype(ct.float32)
+                acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
+            ct.store(y, index=(ib, rows, ih, ip),
+                     tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,9 +226,9 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
         channel slices fastest so that consecutive tiles share their chunk's B and C in L2.
 
-        Tiles carry a leading BLOCK_H axis: the block's heads (all in one group) share C, B
-        and therefore the C Bᵀ tile, which is computed once per column block and reused by
-        BLOCK_H batched MMAs. Per-head data (decays, dt', x, states) is [H, ...].
+        The block's heads (all in one group) share C, B and therefore the C Bᵀ tile, which is
+        computed once per column block and used by BLOCK_H 2-D MMAs, one per head; per-head
+        data (decays, dt', x, states, accumulators) are tuples of BLOCK_H 2-D tiles.
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
                 nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD,

@@ -38,7 +38,9 @@ SPLIT = SSDConfig(state=StateConfig(fused=False, block_n=128, state_dtype="float
 # chunk_scan with a diagonal of several column tiles (block_s < block_m), one block per tile.
 NARROW = SSDConfig(state=StateConfig(**NARROW_STATE))
 S32 = SSDConfig(scan=ScanConfig(block_s=32, persistent=False))
-NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32)
+# One head per chunk_scan block: no head axis, every MMA 2-D (wgmma on sm_90).
+H1 = SSDConfig(scan=ScanConfig(block_h=1))
+NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1)
 # SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
