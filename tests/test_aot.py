@@ -23,6 +23,21 @@ def test_every_kernel_compiles_for_every_arch(dtype):
     assert all(c.cubin_bytes > 1000 for c in done)
 
 
+# Small chunks with a channel slice wider than the chunk: the corner where tileiras 13.4 fails
+# to schedule two heads per chunk_scan block, so SSDConfig.for_problem takes one (found by the
+# H200 tests of stop 14: headdim 48 at q=32, and the all-features edge shape at q=16).
+SMALL_CHUNKS = {"q32-p48": (32, (2, 80, 4, 48, 16, 1)), "q16-p24": (16, (2, 83, 6, 24, 12, 3))}
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+@pytest.mark.parametrize("case", list(SMALL_CHUNKS))
+def test_chunk_scan_compiles_for_small_chunks(case, arch):
+    chunk_size, dims = SMALL_CHUNKS[case]
+    records = aot.capture_forward("bfloat16", "all", True, chunk_size=chunk_size, dims=dims)
+    (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
+    assert len(aot.export_cubin(scan, arch)) > 1000
+
+
 def test_capture_records_instead_of_launching():
     records = aot.capture_forward("bfloat16", features="all", fused=False)
     names = [r.kernel._pyfunc.__name__ for r in records]
