@@ -147,8 +147,8 @@ class SSDConfig:
         """Clamp tiles that would exceed the problem (a tile longer than the chunk, the head or
         the state), shrink chunk_scan's head block to a power of two dividing the heads per
         group (a block's heads must share one group; one head where the compiler cannot schedule
-        more, see below), and, given the inputs' dtype (a name such
-        as "bfloat16", or a torch dtype), resolve ``state_dtype="input"`` to it."""
+        more, see below), and, given the inputs' dtype (a name such as "bfloat16", or a torch
+        dtype), resolve ``state_dtype="input"`` to it."""
         p = next_pow2(headdim)
         block_h = self.scan.block_h
         while heads_per_group % block_h:
@@ -159,8 +159,9 @@ class SSDConfig:
         if block_s == block_m < 64 and block_p > block_m:
             # tileiras 13.4 cannot schedule chunk_scan with two or more heads here (one diagonal
             # tile of fewer than 64 rows, narrower than the channel slice; 16-bit inputs on
-            # sm_90 and sm_100): "Invalid use-def chain in schedule". Below 64 rows no MMA is a
-            # wgmma, so one head per block loses little. tests/test_aot.py compiles the corner.
+            # sm_90 and sm_100, and on sm_80 with the persistent grid): "Invalid use-def chain in
+            # schedule". Below 64 rows no MMA is a wgmma, so one head per block loses little.
+            # tests/test_aot.py compiles the corner.
             block_h = 1
         scan = replace(self.scan, block_h=block_h, block_m=block_m, block_s=block_s,
                        block_p=block_p)
