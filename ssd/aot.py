@@ -10,16 +10,19 @@ use, so a kernel that stops compiling fails CI (``tests/test_aot.py``) long befo
 The same cubins say what the compiler made of each configuration: registers per thread, the
 per-thread stack (where registers spill) and shared memory, read with ``cuobjdump
 --dump-resource-usage``. :func:`resource_table` does that for every point of the tiling study
-(``python -m ssd.aot --resources`` records it), so the layout chapter can set measured
-register budgets and spills beside the measured times.
+(``python -m ssd.aot --resources`` records it, with each kernel's compile time on the CPU), so
+the layout chapter can set measured register budgets and spills beside the measured times, and
+the peers chapter can say what each configuration costs a first call.
 """
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -153,8 +156,8 @@ def resource_usage(cubin: bytes) -> dict:
 
 
 def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:
-    """Registers, stack and shared memory of the stage-2 and chunk_scan kernels for every
-    (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``), compiled for
+    """Registers, stack, shared memory and compile time of the stage-2 and chunk_scan kernels
+    for every (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``), compiled for
     ``arch`` with inputs of ``dtype`` and D, as the study runs them. The compiled code depends
     on the compile-time constants and on how the launcher specialises the arrays (which sizes
     are multiples of 16, which are 1: :func:`ssd._launch.array_constraint`), so the capture
@@ -163,6 +166,11 @@ def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> lis
     from it in one array property each)."""
     from .bench import config_label
 
+    # compile_s: the wall time of one compile on this machine's CPU, what a first call pays for
+    # the kernel on a GPU host up to the two CPUs' speeds. A kernel found in cuTile's on-disk
+    # cache "compiles" in milliseconds, so without CUDA_TILE_CACHE_DIR=off (read when cuda.tile
+    # is imported) there is no compile time to record.
+    timed = os.environ.get("CUDA_TILE_CACHE_DIR") == "off"
     rows = []
     for factor, q, cfg in space:
         records = capture_forward(dtype, "layer", cfg.state.fused, chunk_size=q, config=cfg,
@@ -171,8 +179,11 @@ def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> lis
             name = record.kernel._pyfunc.__name__
             if name == "chunk_cumsum_kernel":
                 continue
+            start = time.perf_counter()
+            cubin = export_cubin(record, arch)
             rows.append(dict(factor=factor, label=config_label(q, cfg), kernel=name,
-                             **resource_usage(export_cubin(record, arch))))
+                             compile_s=time.perf_counter() - start if timed else None,
+                             **resource_usage(cubin)))
             progress(f"[aot] {rows[-1]}")
     return rows
 
@@ -200,6 +211,9 @@ def main(argv=None) -> int:
                 print(f"{row['label']:52s} {row['kernel']:22s} reg {row['registers']:3d} "
                       f"stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B")
             return 0
+        if os.environ.get("CUDA_TILE_CACHE_DIR") != "off":  # compile for real, to time it
+            return subprocess.call([sys.executable, "-m", "ssd.aot", *(argv or sys.argv[1:])],
+                                   env={**os.environ, "CUDA_TILE_CACHE_DIR": "off"})
         rows = resource_table(config_space())
         path = write_json(RESOURCES, dict(arch="sm_90", dtype="bfloat16", rows=rows,
                                           environment=environment()))
