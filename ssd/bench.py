@@ -531,7 +531,7 @@ def config_space(dims=None, sms: int | None = None):
               if v != d.state.occupancy]
     space += [("state hints", OUR_CHUNK, st(latency=2)), ("state hints", OUR_CHUNK, st(warps=8))]
     space += [("scan block_h", OUR_CHUNK, sc(block_h=v)) for v in (1, 4) if v != d.scan.block_h]
-    space += [("scan occupancy", OUR_CHUNK, sc(occupancy=v)) for v in (None, 1, 3)
+    space += [("scan occupancy", OUR_CHUNK, sc(occupancy=v)) for v in (None, 1, 2, 3, 4)
               if v != d.scan.occupancy]
     space += [("scan hints", OUR_CHUNK, sc(latency=2)), ("scan hints", OUR_CHUNK, sc(warps=8))]
     space += [("scan grid", OUR_CHUNK, sc(persistent=not d.scan.persistent))]

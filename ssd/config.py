@@ -114,7 +114,7 @@ class ScanConfig:
     block_m: int = 64
     block_s: int = 64
     block_p: int = 64
-    occupancy: int | None = 2
+    occupancy: int | None = 3
     latency: int | None = None
     warps: int | None = None
     persistent: bool = True
