@@ -17,7 +17,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-results gpu-tilegym clean
+.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -55,28 +55,29 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # number in the book: the GPU tests (results/<gpu>/gpu_tests.json), the benchmark suites and the
 # tiling study (results/<gpu>/<suite>.json), the first-call compile times, the complete-job
 # measurements, then re-execute the GPU chapters so their stored outputs and recordings come from
-# this run. Needs a GPU; CI never runs it. About 23 minutes on an H200, in three parts of 5-9
-# minutes (make gpu-check, make gpu-bench, make gpu-results) for machines that cap a command's
-# time: the GPU tests run in 8 processes (pytest-xdist) because compiling the ~100 kernel
-# variants they use dominates; the repetition counts and the prefill grid (8-layer stacks, the
-# quick grid) are the ones the recorded results/h200 files were made with, so a run here is
-# comparable with them line for line (python -m ssd.endtoend without options sweeps the full grid
-# at the published depths). The layer calls our SSD at 128, the chunk size the benchmark runs
-# ours at (ssd.bench.OUR_CHUNK), and mamba_ssm's at the layer's 256.
+# this run. Needs a GPU; CI never runs it. About 27 minutes on an H200 (the recorded run), in four
+# parts of 4-9 minutes (make gpu-check, gpu-bench, gpu-study, gpu-results) for machines that cap a
+# command's time: the GPU tests run in one process per CPU core (pytest-xdist) because compiling
+# the kernel variants they use dominates; the repetition counts and the prefill grid (8-layer
+# stacks, the quick grid) are the ones the recorded results/h200 files were made with, so a run
+# here is comparable with them line for line (python -m ssd.endtoend without options sweeps the
+# full grid at the published depths). The layer calls our SSD at 128, the chunk size the
+# benchmark runs ours at (ssd.bench.OUR_CHUNK), and mamba_ssm's at the layer's 256.
 GPU_PYTHON ?= python3
-gpu: gpu-check gpu-bench gpu-results
+gpu: gpu-check gpu-bench gpu-study gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
-	$(GPU_PYTHON) -m pytest -m gpu -n 8 tests/
-	$(GPU_PYTHON) -m ssd.bench --suite models --reps 30
-gpu-bench:
-	$(GPU_PYTHON) -m ssd.bench --suite study --reps 20
+	$(GPU_PYTHON) -m pytest -m gpu -n auto tests/
 	$(GPU_PYTHON) -m ssd.bench --suite first-call
+gpu-bench:
+	$(GPU_PYTHON) -m ssd.bench --suite models --reps 30
 	$(GPU_PYTHON) -m ssd.bench --suite serving --reps 30
 	$(GPU_PYTHON) -m ssd.bench --suite seqlen --reps 30 --quick
-gpu-results:
+gpu-study:
+	$(GPU_PYTHON) -m ssd.bench --suite study --reps 20
 	$(GPU_PYTHON) -m ssd.endtoend --only share --reps 10 --chunk-size cutile=128
 	$(GPU_PYTHON) -m ssd.endtoend --only prefill --quick --layers 8 --prefill-reps 5 --chunk-size cutile=128
+gpu-results:
 	$(GPU_PYTHON) -m ssd.notebooks '0[4-9]*.ipynb' '1[0-9]*.ipynb'
 
 # make gpu-tilegym: TileGym's tuned mode beside ours, one process per models shape, each written

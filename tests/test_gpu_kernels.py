@@ -150,42 +150,43 @@ def test_api_rejects_bad_input_on_gpu():
         _api_call(spec, {**inputs, "x": inputs["x"].clone().requires_grad_()})
 
 
-def test_matches_mamba_ssm_where_it_is_correct(gpu_record):
+@pytest.mark.parametrize("name", list(EDGE_SHAPES))
+def test_matches_mamba_ssm_where_it_is_correct(gpu_record, name):
     """Same inputs through mamba_ssm's Triton forward: where mamba_ssm meets the reference
-    tolerance, ours must agree with it to the same tolerance."""
+    tolerance, ours must agree with it to the same tolerance. One edge shape per case, so that
+    pytest-xdist spreads mamba_ssm's compiles and autotuning over its workers (as one loop over
+    the shapes this was the GPU suite's longest test, 197 s of its 376 on the H200). Where
+    mamba_ssm misses the tolerance, or fails, the case records it and checks nothing: that is
+    data about the peer. The validation chapter asserts that some case did cross-check."""
     from ssd.peers import PeerUnavailable, mamba_ssm_forward
 
     try:
         theirs = mamba_ssm_forward()
     except PeerUnavailable as exc:
         pytest.skip(str(exc))
-    checked = 0
-    for name, spec in EDGE_SHAPES.items():
-        inputs = device_inputs(spec, seed_for("peer" + name), "bfloat16")
-        ref = reference_of(spec, inputs)
-        ours = _api_call(spec, inputs, return_final_states=True)
-        try:
-            peer = theirs(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
-                          spec.chunk_size, D=inputs.get("D"), z=inputs.get("z"),
-                          dt_bias=inputs.get("dt_bias"),
-                          initial_states=inputs.get("initial_states"),
-                          seq_idx=inputs.get("seq_idx"), dt_softplus=spec.dt_softplus,
-                          dt_limit=spec.dt_limit, return_final_states=True)
-        except Exception as exc:  # a peer failure is data, not our failure
-            gpu_record.append(dict(test="peer/mamba_ssm", shape=name, dtype="bfloat16",
-                                   kind="peer", error=f"{type(exc).__name__}: {exc}"[:300]))
-            continue
-        for i, key in enumerate(("y", "final_states")):
-            peer_err = rel_err(peer[i], ref[key])
-            our_err = rel_err(ours[i], ref[key])
-            diff = rel_err(ours[i], peer[i].double().cpu().numpy())
-            gpu_record.append(dict(test="peer/mamba_ssm", shape=name, dtype="bfloat16", stage=key,
-                                   kind="peer", rel_err=our_err, mamba_ssm_rel_err=peer_err,
-                                   ours_vs_mamba_ssm=diff, tol=TOL["bfloat16"]))
-            if peer_err <= TOL["bfloat16"]:
-                checked += 1
-                assert diff <= 2 * TOL["bfloat16"], f"{name}/{key}: ours vs mamba_ssm {diff:.3e}"
-    assert checked > 0, "mamba_ssm was correct on no edge shape: nothing was cross-checked"
+    spec = EDGE_SHAPES[name]
+    inputs = device_inputs(spec, seed_for("peer" + name), "bfloat16")
+    ref = reference_of(spec, inputs)
+    ours = _api_call(spec, inputs, return_final_states=True)
+    try:
+        peer = theirs(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
+                      spec.chunk_size, D=inputs.get("D"), z=inputs.get("z"),
+                      dt_bias=inputs.get("dt_bias"), initial_states=inputs.get("initial_states"),
+                      seq_idx=inputs.get("seq_idx"), dt_softplus=spec.dt_softplus,
+                      dt_limit=spec.dt_limit, return_final_states=True)
+    except Exception as exc:  # a peer failure is data, not our failure
+        gpu_record.append(dict(test="peer/mamba_ssm", shape=name, dtype="bfloat16",
+                               kind="peer", error=f"{type(exc).__name__}: {exc}"[:300]))
+        return
+    for i, key in enumerate(("y", "final_states")):
+        peer_err = rel_err(peer[i], ref[key])
+        our_err = rel_err(ours[i], ref[key])
+        diff = rel_err(ours[i], peer[i].double().cpu().numpy())
+        gpu_record.append(dict(test="peer/mamba_ssm", shape=name, dtype="bfloat16", stage=key,
+                               kind="peer", rel_err=our_err, mamba_ssm_rel_err=peer_err,
+                               ours_vs_mamba_ssm=diff, tol=TOL["bfloat16"]))
+        if peer_err <= TOL["bfloat16"]:
+            assert diff <= 2 * TOL["bfloat16"], f"{name}/{key}: ours vs mamba_ssm {diff:.3e}"
 
 
 @pytest.mark.skipif(os.environ.get("SSD_SKIP_LARGE") == "1", reason="SSD_SKIP_LARGE=1")
