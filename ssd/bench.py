@@ -21,7 +21,8 @@ What it does, in order, for every shape of a suite:
 5. **Compile time** apart from steady state: each record keeps the first call's wall time
    (``first_call_s``: compilation or autotuning for a new configuration, plus one run) beside
    the steady-state median; for the "new shape" goal, ``--suite first-call`` times the first
-   call in a fresh process with cuTile's disk cache off.
+   call in a fresh process with an empty cuTile kernel cache of its own, and the seconds each
+   kernel took to compile in it.
 
 Results go to ``results/<gpu>/<suite>.json``: a list of records with ``shape``, ``dims``,
 ``impl``, ``chunk_size``, ``mode``, ``l2``, ``median_ms``, quantiles, ``floor_ms`` and the
@@ -35,6 +36,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
@@ -473,8 +475,10 @@ def speedups(records, over="mamba_ssm", mode="graph", l2="flushed") -> dict:
 
 
 def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
-    """Wall time of the very first call on a never-seen shape, in a fresh process with
-    cuTile's on-disk kernel cache off: compilation included, nothing reused."""
+    """Wall time of the very first call on a never-seen shape, in a fresh process with an empty
+    cuTile kernel cache of its own: compilation included, nothing reused. ``compile_s``: the
+    seconds tileiras took for each of our kernels in that call, as the cache recorded them
+    (:func:`kernel_compile_seconds`)."""
     code = ("import json,time,torch,ssd;from ssd.bench import Shape,make_inputs;"
             f"s=Shape(*{tuple([shape.name, *shape.dims])!r});i=make_inputs(s);torch.cuda.synchronize();"
             "t=time.perf_counter();ssd.mamba_chunk_scan_combined(i['x'],i['dt'],i['A'],i['B'],"
@@ -483,12 +487,31 @@ def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
             f"ssd.mamba_chunk_scan_combined(i['x'],i['dt'],i['A'],i['B'],i['C'],{chunk_size},"
             "D=i['D'],dt_bias=i['dt_bias'],dt_softplus=True);torch.cuda.synchronize();"
             "print(json.dumps(dict(first_s=a,second_s=time.perf_counter()-t)))")
-    env = {**os.environ, "CUDA_TILE_CACHE_DIR": "off"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=300)
-    if out.returncode:
-        return dict(shape=shape.name, error=out.stderr[-500:])
-    return dict(shape=shape.name, dims=list(shape.dims), **json.loads(out.stdout.splitlines()[-1]))
+    with tempfile.TemporaryDirectory(prefix="ssd-first-call-") as cache:
+        env = {**os.environ, "CUDA_TILE_CACHE_DIR": cache}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                             cwd=ROOT, timeout=300)
+        if out.returncode:
+            return dict(shape=shape.name, error=out.stderr[-500:])
+        return dict(shape=shape.name, dims=list(shape.dims), **json.loads(out.stdout.splitlines()[-1]),
+                    compile_s=kernel_compile_seconds(cache))
+
+
+def kernel_compile_seconds(cache_dir) -> dict:
+    """{kernel: seconds} tileiras took to compile each kernel found in the cuTile kernel cache
+    at ``cache_dir`` (the compile time cuTile stores with each entry; cuTile's cache inspector,
+    ``cutile_cache``, has no public API yet), summed over a kernel's entries and named by its
+    function without ``_kernel`` (``chunk_scan``)."""
+    from cutile_cache._cache import cache_entries
+
+    seconds = {}
+    for entry in cache_entries(str(cache_dir)):
+        meta = entry.metadata
+        if not meta.kernel_names or meta.compilation_time_seconds is None:
+            raise ValueError(f"cuTile cache entry {entry.key} records no kernel or compile time")
+        name = meta.kernel_names[0].split("_kernel_")[0]
+        seconds[name] = seconds.get(name, 0.0) + meta.compilation_time_seconds
+    return seconds
 
 
 # ----------------------------------------------------------------------------- configs

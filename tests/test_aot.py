@@ -118,3 +118,23 @@ def test_signature_is_the_one_the_gpu_launch_compiled():
         assert arrays(_launch.signature(record)) == ran, name
         checked += len(ran)
     assert checked == 21   # state_passing's 10 arrays and chunk_scan's 11
+
+
+def test_kernel_compile_seconds_reads_the_cache(tmp_path):
+    """The first-call suite reads each kernel's compile time from cuTile's kernel cache: compile
+    the forward's three kernels into an empty cache, in a subprocess because cuTile reads the
+    cache directory when it is imported."""
+    import os
+    import subprocess
+    import sys
+
+    from ssd import bench
+
+    code = ("from ssd import aot\n"
+            "for r in aot.capture_forward('bfloat16', 'none', True, chunk_size=64,"
+            " dims=(1, 80, 2, 16, 16, 1)):\n    aot.export_cubin(r, 'sm_90')")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=aot.RESOURCES.parents[2],
+                   env={**os.environ, "CUDA_TILE_CACHE_DIR": str(tmp_path)})
+    seconds = bench.kernel_compile_seconds(tmp_path)
+    assert set(seconds) == {"chunk_cumsum", "state_passing", "chunk_scan"}
+    assert all(0 < s < 120 for s in seconds.values())
