@@ -140,12 +140,12 @@ def test_gate_passes_the_reference_and_fails_a_wrong_output():
 
 
 def test_vary_space_is_one_point_per_value_around_the_default():
-    space = bench.vary_space(["state.block_k=16,32", "scan.occupancy=None,3", "q=256",
+    space = bench.vary_space(["state.block_k=16,32", "scan.occupancy=None,2", "q=256",
                               "scan.block_m=32+scan.block_s=32"])
     d = default_config((9, 0))
     assert space[0] == ("default", bench.OUR_CHUNK, d)
     assert [c.state.block_k for _, _, c in space[1:3]] == [16, 32]
-    assert [c.scan.occupancy for _, _, c in space[3:5]] == [None, 3]
+    assert [c.scan.occupancy for _, _, c in space[3:5]] == [None, 2]
     assert space[5] == ("q=256", 256, d)
     assert (space[6][2].scan.block_m, space[6][2].scan.block_s) == (32, 32) and len(space) == 7
     labels = [bench.config_label(q, c) for _, q, c in space]
