@@ -493,7 +493,8 @@ def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
                              cwd=ROOT, timeout=300)
         if out.returncode:
             return dict(shape=shape.name, error=out.stderr[-500:])
-        return dict(shape=shape.name, dims=list(shape.dims), **json.loads(out.stdout.splitlines()[-1]),
+        times = json.loads(out.stdout.splitlines()[-1])
+        return dict(shape=shape.name, dims=list(shape.dims), **times,
                     compile_s=kernel_compile_seconds(cache))
 
 
