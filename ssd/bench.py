@@ -479,8 +479,8 @@ def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
     cuTile kernel cache of its own: compilation included, nothing reused. ``compile_s``: the
     seconds tileiras took for each of our kernels in that call, as the cache recorded them
     (:func:`kernel_compile_seconds`). With a cache, cuTile also has tileiras write its remarks,
-    which made a compile a few per cent slower on a CPU than with the cache off (chunk_scan at
-    the second first-call shape: 2.50 s against 2.36-2.40 s), so first_s errs on the slow side."""
+    which makes each compile a few per cent slower than with the cache off, so first_s errs on
+    the slow side."""
     code = ("import json,time,torch,ssd;from ssd.bench import Shape,make_inputs;"
             f"s=Shape(*{tuple([shape.name, *shape.dims])!r});i=make_inputs(s);torch.cuda.synchronize();"
             "t=time.perf_counter();ssd.mamba_chunk_scan_combined(i['x'],i['dt'],i['A'],i['B'],"
