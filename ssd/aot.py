@@ -158,12 +158,12 @@ def resource_usage(cubin: bytes) -> dict:
 def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:
     """Registers, stack, shared memory and compile time of the stage-2 and chunk_scan kernels
     for every (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``),
-    compiled for ``arch`` with inputs of ``dtype`` and D, as the study runs them. The compiled code depends
-    on the compile-time constants and on how the launcher specialises the arrays (which sizes
-    are multiples of 16, which are 1: :func:`ssd._launch.array_constraint`), so the capture
-    shape has the 2.7b shape's pattern: batch not a multiple of 16, sequence, heads, head dim
-    and state multiples of 16, one group (130m's 24 heads and codestral-7b's 8 groups differ
-    from it in one array property each)."""
+    compiled for ``arch`` with inputs of ``dtype`` and D, as the study runs them. The compiled
+    code depends on the compile-time constants and on how the launcher specialises the arrays
+    (which sizes are multiples of 16, which are 1: :func:`ssd._launch.array_constraint`), so
+    the capture shape has the 2.7b shape's pattern: batch not a multiple of 16, sequence, heads,
+    head dim and state multiples of 16, one group (130m's 24 heads and codestral-7b's 8 groups
+    differ from it in one array property each)."""
     from .bench import config_label
 
     # compile_s: the wall time of one compile on this machine's CPU, what a first call pays for
