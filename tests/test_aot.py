@@ -45,6 +45,15 @@ def test_capture_records_instead_of_launching():
                      "chunk_scan_kernel"]
 
 
+@pytest.mark.parametrize("dims, full", [(None, False), (aot.FULL_DIMS, True)])
+def test_fused_walk_unrolls_only_full_chunks(dims, full):
+    """The launcher passes FULL (the walk's K loop unrolled) only when every chunk is full:
+    with a ragged last chunk the counted loop skips the K blocks past the end."""
+    records = aot.capture_forward("bfloat16", "none", True, dims=dims)
+    (walk,) = [r for r in records if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
+    assert walk.args[-1] is full
+
+
 def test_resource_line_is_parsed():
     text = ("Resource usage:\n Common:\n  GLOBAL:0\n Function chunk_scan_kernel:\n"
             "  REG:255 STACK:24 SHARED:102920 LOCAL:0 CONSTANT[0]:944 TEXTURE:0 SURFACE:0\n")
