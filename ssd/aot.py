@@ -46,8 +46,10 @@ class Compiled:
 
 
 FEATURES = ("none", "layer", "all")
-# capture_forward's default shape has a ragged last chunk; this one has two full 256-chunks.
-FULL_DIMS = (2, 512, 8, 64, 128, 2)
+# capture_forward's default shape has a ragged last chunk; this one has full chunks of
+# FULL_CHUNK, which the walk takes in two K blocks: the case it unrolls (state_passing FULL).
+FULL_CHUNK = 128
+FULL_DIMS = (2, 2 * FULL_CHUNK, 8, 64, 128, 2)
 
 
 def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 256, config=None,
@@ -96,7 +98,8 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
             for fused in (True, False):
                 records = capture_forward(dtype, features, fused)
                 if fused:  # the fused walk's full-chunk variant (seqlen % chunk == 0) as well
-                    records += [r for r in capture_forward(dtype, features, fused, dims=FULL_DIMS)
+                    full = capture_forward(dtype, features, fused, FULL_CHUNK, dims=FULL_DIMS)
+                    records += [r for r in full
                                 if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
                 for record in records:
                     sig = _launch.signature(record)
