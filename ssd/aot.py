@@ -46,6 +46,10 @@ class Compiled:
 
 
 FEATURES = ("none", "layer", "all")
+# capture_forward's default shape has a ragged last chunk; this one has full chunks of
+# FULL_CHUNK, which the walk takes in two K blocks: the case it unrolls (state_passing FULL).
+FULL_CHUNK = 128
+FULL_DIMS = (2, 2 * FULL_CHUNK, 8, 64, 128, 2)
 
 
 def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 256, config=None,
@@ -92,7 +96,12 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
     for dtype in dtypes:
         for features in ("none", "all"):
             for fused in (True, False):
-                for record in capture_forward(dtype, features, fused):
+                records = capture_forward(dtype, features, fused)
+                if fused:  # the fused walk's full-chunk variant (seqlen % chunk == 0) as well
+                    full = capture_forward(dtype, features, fused, FULL_CHUNK, dims=FULL_DIMS)
+                    records += [r for r in full
+                                if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
+                for record in records:
                     sig = _launch.signature(record)
                     key = (record.kernel, repr(sig))
                     if key in seen:

@@ -45,6 +45,19 @@ def test_capture_records_instead_of_launching():
                      "chunk_scan_kernel"]
 
 
+@pytest.mark.parametrize("chunk_size, dims, full", [
+    (aot.FULL_CHUNK, None, False),                          # a ragged last chunk
+    (aot.FULL_CHUNK, aot.FULL_DIMS, True),
+    (256, (2, 512, 8, 64, 128, 2), False)])                 # full, but four K blocks a chunk
+def test_fused_walk_unrolls_only_full_chunks_of_two_k_blocks(chunk_size, dims, full):
+    """The launcher passes FULL (the walk's K loop unrolled) only when every chunk is full, so
+    the counted loop need not skip K blocks past the end, and takes two K blocks of the
+    default block_k: unrolled at four, the walk compiles to 255 registers."""
+    records = aot.capture_forward("bfloat16", "none", True, chunk_size=chunk_size, dims=dims)
+    (walk,) = [r for r in records if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
+    assert walk.args[-1] is full
+
+
 def test_resource_line_is_parsed():
     text = ("Resource usage:\n Common:\n  GLOBAL:0\n Function chunk_scan_kernel:\n"
             "  REG:255 STACK:24 SHARED:102920 LOCAL:0 CONSTANT[0]:944 TEXTURE:0 SURFACE:0\n")
