@@ -104,7 +104,7 @@ def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, 
 
 def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-              N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, LATENCY):
+              N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, LATENCY, STATIC_ROWS=False):
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
     the ``BLOCK_H`` heads of head block ``hp // p_tiles``. One tile per block in the default
@@ -155,9 +155,14 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
         # the diagonal's comes last.
         cols = (ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, dA_cumsum, seq_t, seq_idx, Q,
                 BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY)
-        for js in range(im * (BLOCK_M // BLOCK_S)):
-            ws, xs = column_block(js, False, *cols)
-            accs = mma_heads(ws, xs, accs, BLOCK_H)
+        if STATIC_ROWS:  # im is a constant here: the walk's trip count too
+            for js in ct.static_iter(range(im * (BLOCK_M // BLOCK_S))):
+                ws, xs = column_block(js, False, *cols)
+                accs = mma_heads(ws, xs, accs, BLOCK_H)
+        else:
+            for js in range(im * (BLOCK_M // BLOCK_S)):
+                ws, xs = column_block(js, False, *cols)
+                accs = mma_heads(ws, xs, accs, BLOCK_H)
         if BLOCK_S == BLOCK_M:
             # One diagonal tile, whose x rows are the skip connection's: D x[t] from it.
             ws, x_ts = column_block(im, True, *cols)
@@ -221,6 +226,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         HAS_Z: ConstBool,
         HAS_SEQ: ConstBool,
         PERSISTENT: ConstBool,
+        WHOLE_CHUNK: ConstBool,  # persistent only: a tile is all row blocks of a chunk
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -233,9 +239,13 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
                 nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD,
                 HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, latency)
-        if PERSISTENT:
-            m_tiles = Q // BLOCK_M
-            hp_tiles = head_tiles * p_tiles
+        m_tiles = Q // BLOCK_M
+        hp_tiles = head_tiles * p_tiles
+        if PERSISTENT and WHOLE_CHUNK:
+            for t in range(ct.bid(0), batch * nchunks * hp_tiles, ct.num_blocks(0)):
+                for im in ct.static_iter(range(m_tiles)):
+                    scan_tile(t // hp_tiles, im, t % hp_tiles, *args, True)
+        elif PERSISTENT:
             for t in range(ct.bid(0), batch * nchunks * m_tiles * hp_tiles, ct.num_blocks(0)):
                 rest = t // hp_tiles
                 scan_tile(rest // m_tiles, rest % m_tiles, t % hp_tiles, *args)
@@ -275,13 +285,15 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)
     if config.persistent:  # as many blocks as can be resident at once (any number compiles)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-        grid = (min((config.occupancy or 1) * sms, grid[0] * grid[1] * grid[2]), 1, 1)
+        tiles = grid[0] * grid[2] * (1 if config.whole_chunk else grid[1])
+        grid = (min((config.occupancy or 1) * sms, tiles), 1, 1)
     launch(kernel, grid, (x, B, C, dt_out, dA_cumsum, prev_states,
                           optional(D, 2, torch.float32, dev), optional(z, 4, x.dtype, dev),
                           optional(seq_idx, 2, torch.int32, dev),
                           optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles,
                           b, h // config.block_h, q, config.block_h, config.block_m, config.block_s,
                           config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
-                          z is not None, seq_idx is not None, config.persistent),
+                          z is not None, seq_idx is not None, config.persistent,
+                          config.whole_chunk),
            device=dev)
     return out

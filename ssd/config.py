@@ -108,7 +108,9 @@ class ScanConfig:
     channels of ``block_h`` heads of one group (they share the C Bᵀ tile), and walks the
     chunk's causal prefix ``block_s`` columns at a time. The hints ``occupancy``, ``latency``
     (on the streamed loads of B and x) and ``warps`` as in StateConfig. ``persistent``: launch
-    occupancy x SMs blocks that loop over the output tiles instead of one block per tile."""
+    occupancy x SMs blocks that loop over the output tiles instead of one block per tile.
+    ``whole_chunk`` (persistent only): a tile is every row block of one chunk, walked in a
+    static loop, so that each row block's column walk has a constant trip count."""
 
     block_h: int = 2
     block_m: int = 64
@@ -118,8 +120,11 @@ class ScanConfig:
     latency: int | None = None
     warps: int | None = None
     persistent: bool = True
+    whole_chunk: bool = False
 
     def __post_init__(self):
+        if self.whole_chunk and not self.persistent:
+            raise ValueError("whole_chunk: needs the persistent grid (persistent=True)")
         for name in ("block_h", "block_m", "block_s", "block_p"):
             _check_pow2(name, getattr(self, name))
         _check_hints(self)

@@ -38,6 +38,20 @@ def test_chunk_scan_compiles_for_small_chunks(case, arch):
     assert len(aot.export_cubin(scan, arch)) > 1000
 
 
+def test_whole_chunk_chunk_scan_compiles():
+    """ScanConfig.whole_chunk (screened, off by default) keeps compiling for sm_90."""
+    from dataclasses import replace
+
+    from ssd.config import default_config
+
+    d = default_config((9, 0))
+    config = replace(d, scan=replace(d.scan, whole_chunk=True))
+    records = aot.capture_forward("bfloat16", "layer", True, chunk_size=128, config=config,
+                                  dims=(2, 256, 16, 64, 128, 1))
+    (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
+    assert scan.args[-1] is True and len(aot.export_cubin(scan, "sm_90")) > 1000
+
+
 def test_capture_records_instead_of_launching():
     records = aot.capture_forward("bfloat16", features="all", fused=False)
     names = [r.kernel._pyfunc.__name__ for r in records]

@@ -16,7 +16,8 @@ def test_state_config_rejects_bad_values(kwargs):
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_h=3), dict(block_m=96), dict(occupancy=-1),
-                                    dict(block_m=32, block_s=64)])
+                                    dict(block_m=32, block_s=64),
+                                    dict(whole_chunk=True, persistent=False)])
 def test_scan_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         ScanConfig(**kwargs)
@@ -132,3 +133,22 @@ def test_persistent_chunk_scan_launches_one_axis_of_blocks():
                        config=SSDConfig(scan=ScanConfig(persistent=True)))
     scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")
     assert scan.grid[1:] == (1, 1)
+
+
+@pytest.mark.parametrize("whole_chunk, tiles", [(False, 2 * 2 * 2), (True, 2 * 2)])
+def test_whole_chunk_tiles_cover_every_row_block_once(whole_chunk, tiles):
+    """The persistent grid is capped by the tile count: a whole-chunk tile holds both row blocks
+    of a 128-chunk (block_m 64), so there are half as many tiles. (1 sequence, 2 chunks,
+    4 heads in head blocks of 2, one channel slice; CPU capture, 1 "SM".)"""
+    import torch
+
+    from ssd import _launch
+    from ssd.api import forward_stages
+
+    b, l, h, p, n = 1, 256, 4, 64, 128
+    config = SSDConfig(scan=ScanConfig(whole_chunk=whole_chunk, occupancy=32))
+    with _launch.capture() as recs:
+        forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
+                       torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128, config=config)
+    scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")
+    assert scan.grid == (tiles, 1, 1) and scan.args[-1] is whole_chunk
