@@ -536,7 +536,7 @@ def config_space(dims=None, sms: int | None = None):
     blocks), so that the study times what ships. The factors: the chunk size; stage 2 (fused
     or split, entering-state dtype, the state slice ``block_n``, its layout, the narrow slices
     of few-block problems, the occupancy hint); chunk_scan (heads per block, occupancy hint,
-    persistent or one block per tile, tile shape);
+    persistent or one block per tile, whole-chunk tiles of one or two heads, tile shape);
     for each stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8
     worker warps instead of the compiler's 4). Choices interact, so this is not a grid: it
     shows what each knob is worth at the default.
@@ -561,6 +561,7 @@ def config_space(dims=None, sms: int | None = None):
               if v != d.scan.occupancy]
     space += [("scan hints", OUR_CHUNK, sc(latency=2)), ("scan hints", OUR_CHUNK, sc(warps=8))]
     space += [("scan grid", OUR_CHUNK, sc(persistent=not d.scan.persistent))]
+    space += [("scan whole chunk", OUR_CHUNK, sc(whole_chunk=True, block_h=v)) for v in (1, 2)]
     space += [("scan tile", OUR_CHUNK, sc(block_m=bm, block_s=bs, block_p=bp))
               for bm, bs, bp in ((128, 64, 64), (64, 32, 64), (64, 64, 32))]
     return space

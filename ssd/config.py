@@ -194,6 +194,14 @@ MEASURED_ARCHS = (9,)
 MIN_STAGE2_BLOCKS_PER_SM = 2
 NARROW_STATE = dict(block_n=32, transposed=False)
 
+# chunk_scan over a state of at most SMALL_STATE: one head per block, and each persistent tile a
+# whole chunk (ScanConfig.whole_chunk). The whole-chunk tile unrolls its row blocks; on sm_90
+# only this smallest tile keeps the default's 80 registers without spilling (one head at n 128,
+# or two heads at n 64, take 168 registers or spill 216-296 B; tests/test_aot.py checks the
+# shipped case), and the Performance chapter measures it faster only there.
+SMALL_STATE = 64
+SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True)
+
 
 def default_config(capability: tuple[int, int] | None = None,
                    problem: tuple[int, int, int, int] | None = None,
@@ -202,7 +210,8 @@ def default_config(capability: tuple[int, int] | None = None,
     or the sm_90 default when there is none). Given the ``problem``'s (batch, heads, headdim,
     dstate) and the GPU's ``sms``, a problem whose fused stage 2 would have fewer than
     ``MIN_STAGE2_BLOCKS_PER_SM`` blocks per SM (few sequences, few heads) gets narrower state
-    slices: the Performance chapter measures both on the model shapes."""
+    slices, and given the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk
+    chunk_scan tiles of one head: the Performance chapter measures both on the model shapes."""
     if capability is None:
         try:
             import torch
@@ -211,8 +220,10 @@ def default_config(capability: tuple[int, int] | None = None,
         except ImportError:
             capability = (9, 0)
     config = _DEFAULTS.get(capability[0], _DEFAULTS[9])
-    if problem is not None and sms:
+    if problem is not None:
         b, h, p, n = problem
-        if b * h * config.state.slices(p, n)[2] < MIN_STAGE2_BLOCKS_PER_SM * sms:
+        if sms and b * h * config.state.slices(p, n)[2] < MIN_STAGE2_BLOCKS_PER_SM * sms:
             config = replace(config, state=replace(config.state, **NARROW_STATE))
+        if n <= SMALL_STATE:
+            config = replace(config, scan=replace(config.scan, **SMALL_STATE_SCAN))
     return config

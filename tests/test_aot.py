@@ -38,18 +38,37 @@ def test_chunk_scan_compiles_for_small_chunks(case, arch):
     assert len(aot.export_cubin(scan, arch)) > 1000
 
 
-def test_whole_chunk_chunk_scan_compiles():
-    """ScanConfig.whole_chunk (screened, off by default) keeps compiling for sm_90."""
-    from dataclasses import replace
+# A state of at most SMALL_STATE: the default's chunk_scan is whole-chunk tiles of one head.
+SMALL_STATE_DIMS = (2, 256, 16, 64, 64, 1)
 
+
+def small_state_scan(config=None):
     from ssd.config import default_config
 
-    d = default_config((9, 0))
-    config = replace(d, scan=replace(d.scan, whole_chunk=True))
+    b, _, h, p, n, _ = SMALL_STATE_DIMS
+    config = config or default_config((9, 0), problem=(b, h, p, n), sms=132)
     records = aot.capture_forward("bfloat16", "layer", True, chunk_size=128, config=config,
-                                  dims=(2, 256, 16, 64, 128, 1))
+                                  dims=SMALL_STATE_DIMS)
     (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
-    assert scan.args[-1] is True and len(aot.export_cubin(scan, "sm_90")) > 1000
+    return config, scan
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_small_state_default_compiles(arch):
+    config, scan = small_state_scan()
+    assert config.scan.whole_chunk and scan.args[-1] is True   # WHOLE_CHUNK reaches the kernel
+    assert len(aot.export_cubin(scan, arch)) > 1000
+
+
+def test_whole_chunk_tile_does_not_spill_where_it_ships():
+    """The premise of SMALL_STATE_SCAN (ssd/config.py): on sm_90 the whole-chunk tile of one head
+    at n 64 compiles to the registers of the one-row-block tile and spills nothing."""
+    from dataclasses import replace
+
+    config, scan = small_state_scan()
+    _, rows = small_state_scan(replace(config, scan=replace(config.scan, whole_chunk=False)))
+    whole, per_row = (aot.resource_usage(aot.export_cubin(r, "sm_90")) for r in (scan, rows))
+    assert whole["stack_bytes"] == 0 and whole["registers"] == per_row["registers"]
 
 
 def test_capture_records_instead_of_launching():
