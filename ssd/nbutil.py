@@ -53,6 +53,20 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
     return json.loads(path.read_text())
 
 
+def load_recorded_at(name: str, rev: str, gpu: str | None = None) -> dict:
+    """The recording ``name`` made at git revision ``rev`` (as its environment records it): the
+    current file when it is that run's, else ``previous/<name>-<rev>.json``, where a run is kept
+    when a later one replaces it, so that a chapter can set files of one revision side by side."""
+    current = load_recorded(name, gpu)
+    if current["environment"]["git_revision"] == rev:
+        return current
+    path = result_path(f"previous/{name}-{rev[:7]}", gpu)
+    if not path.is_file():
+        raise FileNotFoundError(f"{name}: the recording is of {current['environment']['git_revision']} "
+                                f"and no {path.name} keeps the run at {rev}")
+    return json.loads(path.read_text())
+
+
 #: git pathspecs of the code a recording measures: the ``ssd`` package (kernels, launchers,
 #: benchmark and end-to-end harnesses) without the modules that only render the chapters.
 MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
