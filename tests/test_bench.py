@@ -73,6 +73,19 @@ def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):
     assert "No GPU here" in capsys.readouterr().out
 
 
+def test_recorded_at_a_revision_falls_back_to_the_kept_run(tmp_path, monkeypatch):
+    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
+    monkeypatch.setattr(nbutil, "gpu_available", lambda: False)
+    (tmp_path / "h200" / "previous").mkdir(parents=True)
+    run = lambda rev, v: json.dumps({"v": v, "environment": {"git_revision": rev}})  # noqa: E731
+    (tmp_path / "h200" / "models.json").write_text(run("c7c86d74b294", "now"))
+    (tmp_path / "h200" / "previous" / "models-e565a6c.json").write_text(run("e565a6cf8684", "then"))
+    assert nbutil.load_recorded_at("models", "c7c86d74b294")["v"] == "now"
+    assert nbutil.load_recorded_at("models", "e565a6cf8684")["v"] == "then"
+    with pytest.raises(FileNotFoundError, match="no models-0123456.json keeps the run"):
+        nbutil.load_recorded_at("models", "0123456789ab")
+
+
 def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch):
     monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
     monkeypatch.setattr(nbutil, "gpu_available", lambda: True)
