@@ -54,11 +54,12 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
 
 
 def load_recorded_at(name: str, rev: str, gpu: str | None = None) -> dict:
-    """The recording ``name`` made at git revision ``rev`` (as its environment records it): the
-    current file when it is that run's, else ``previous/<name>-<rev>.json``, where a run is kept
-    when a later one replaces it, so that a chapter can set files of one revision side by side."""
+    """The recording ``name`` of the code at git revision ``rev``: the current file when it was
+    made at ``rev`` or at a revision whose measured code is the same (:func:`same_code`), else
+    ``previous/<name>-<rev>.json``, where a run is kept when a later one replaces it, so that a
+    chapter can set files of the same code side by side."""
     current = load_recorded(name, gpu)
-    if current["environment"]["git_revision"] == rev:
+    if same_code(current["environment"]["git_revision"], rev):
         return current
     path = result_path(f"previous/{name}-{rev[:7]}", gpu)
     if not path.is_file():
