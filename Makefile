@@ -55,8 +55,9 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # number in the book: the GPU tests (results/<gpu>/gpu_tests.json), the benchmark suites and the
 # tiling study (results/<gpu>/<suite>.json), the first-call compile times, the complete-job
 # measurements, then re-execute the GPU chapters so their stored outputs and recordings come from
-# this run. Needs a GPU; CI never runs it. About 27 minutes on an H200 (the recorded run), in four
-# parts of 4-9 minutes (make gpu-check, gpu-bench, gpu-study, gpu-results) for machines that cap a
+# this run. Needs a GPU; CI never runs it. About half an hour on an H200, in four parts of 4 to
+# over 10 minutes (make gpu-check, gpu-bench, gpu-study, gpu-results; the study, which compiles
+# every point it times, took over 7 minutes on a fresh machine) for machines that cap a
 # command's time: the GPU tests run in one process per CPU core (pytest-xdist) because compiling
 # the kernel variants they use dominates; the repetition counts and the prefill grid (8-layer
 # stacks, the quick grid) are the ones the recorded results/h200 files were made with, so a run
