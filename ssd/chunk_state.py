@@ -73,7 +73,8 @@ def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib
     (w B)ᵀ x with B loaded as [BLOCK_N, BLOCK_K] (StateConfig.transposed).
     ``FULL``: every chunk of the sequence is full (seqlen % Q == 0), so the K loop has a
     constant trip count and is unrolled. The fused walk then has a straight-line body per chunk,
-    which the H200 ran 2-7 % faster per forward than the counted loop (stop 17's screen).
+    which the H200 ran faster per forward than the counted loop on every model shape
+    (results/h200/screening/stop17/flat-walk*.json; the Performance chapter has the numbers).
     """
     last = ct.load(dA_cumsum, index=(ib, ih, ic, Q - 1), shape=(1, 1, 1, 1)).reshape((1,))
     seq_end = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ

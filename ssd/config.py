@@ -196,9 +196,10 @@ NARROW_STATE = dict(block_n=32, transposed=False)
 
 # chunk_scan over a state of at most SMALL_STATE: one head per block, and each persistent tile a
 # whole chunk (ScanConfig.whole_chunk). The whole-chunk tile unrolls its row blocks; on sm_90
-# only this smallest tile keeps the default's 80 registers without spilling (one head at n 128,
-# or two heads at n 64, take 168 registers or spill 216-296 B; tests/test_aot.py checks the
-# shipped case), and the Performance chapter measures it faster only there.
+# this smallest tile keeps the default's registers without spilling (tests/test_aot.py checks
+# it), where at state 128 one head a tile takes more registers and two heads spill more
+# (results/compile/sm_90_resources.json), and the Performance chapter measures it faster only
+# at state 64.
 SMALL_STATE = 64
 SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True)
 

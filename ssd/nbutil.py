@@ -8,6 +8,7 @@ dictionary, so the book always shows numbers from a real GPU run, never typed-in
 """
 from __future__ import annotations
 
+import ast
 import functools
 import json
 import subprocess
@@ -75,32 +76,57 @@ MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
 
 
 def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None:
-    """Whether ``paths`` (git pathspecs; default :data:`MEASURED_CODE`) are identical at the
+    """Whether ``paths`` (git pathspecs; default :data:`MEASURED_CODE`) hold the same code at the
     given git revisions, as recorded in the files' ``git_revision``: True or False where the
     checkout's git knows them all, None where it cannot tell (no git, an unknown revision, a
     revision marked ``-dirty``). Recordings made at different revisions time the same code when
-    this is True."""
+    this is True. A Python file whose changes are only comments, docstrings and layout counts as
+    the same (its syntax tree without docstrings is unchanged): a corrected comment does not make
+    the recordings of the code around it stale."""
     revs = list(dict.fromkeys(revisions))
     if len(revs) == 1 and revs[0] is not None:
         return True
     if any(r is None or r.endswith("-dirty") for r in revs):
         return None
-    for rev in revs[1:]:
-        try:
-            rc = subprocess.run(["git", "diff", "--quiet", revs[0], rev, "--", *paths], cwd=root,
-                                capture_output=True, timeout=30).returncode
-        except (OSError, subprocess.SubprocessError):
-            return None
-        if rc == 1:
-            return False
-        if rc != 0:  # not a git checkout, or a revision it does not have
-            return None
+
+    def git(*args):
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        if out.returncode:  # not a git checkout, or a revision it does not have
+            raise LookupError(out.stderr)
+        return out.stdout
+
+    try:
+        for rev in revs[1:]:
+            for path in git("diff", "--name-only", revs[0], rev, "--", *paths).splitlines():
+                if not path.endswith(".py"):
+                    return False
+                try:
+                    trees = [_code_of(git("show", f"{r}:{path}")) for r in (revs[0], rev)]
+                except LookupError:  # added or removed
+                    return False
+                if trees[0] != trees[1]:
+                    return False
+    except (OSError, subprocess.SubprocessError, LookupError):
+        return None
     return True
+
+
+def _code_of(source: str) -> str:
+    """The syntax tree of Python ``source`` without docstrings, as a comparable string."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
 
 
 def same_code_word(result: bool | None) -> str:
     """How a chapter prints a :func:`same_code` result."""
-    return {True: "yes (git diff)", False: "NO", None: "not checkable here (no git history)"}[result]
+    return {True: "yes (git: at most comments and docstrings differ)", False: "NO",
+            None: "not checkable here (no git history)"}[result]
 
 
 def live_or_recorded(name: str, measure, *, force_recorded: bool = False) -> dict:

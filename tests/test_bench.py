@@ -121,7 +121,16 @@ def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
     git("add", "-A")
     git("commit", "-qm", "c")
     c = git("rev-parse", "--short=12", "HEAD")
+    (tmp_path / "ssd" / "k.py").write_text('"""A kernel."""\n# why it is 2\nkernel = (\n    2)\n')
+    git("add", "-A")
+    git("commit", "-qm", "d: a docstring, a comment and layout only")
+    d = git("rev-parse", "--short=12", "HEAD")
+    (tmp_path / "ssd" / "table.csv").write_text("1,2\n")  # not Python: any change counts
+    git("add", "-A")
+    git("commit", "-qm", "e")
+    e = git("rev-parse", "--short=12", "HEAD")
     same = lambda *revs, **kw: nbutil.same_code(*revs, root=tmp_path, **kw)  # noqa: E731
+    assert same(c, d) is True and same(a, d) is False and same(d, e) is False
     assert same(a, b) is True and same(a, a, b) is True
     assert same(a, b, paths=("ssd",)) is False
     assert same(a, c) is False and same(a, b, c) is False
@@ -129,7 +138,7 @@ def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
     assert same(a, "0123456789ab") is None and same(a, b + "-dirty") is None and same(a, None) is None
     assert nbutil.same_code(a, b, root=tmp_path / "ssd" / "nowhere") is None
     assert [nbutil.same_code_word(r) for r in (True, False, None)] == [
-        "yes (git diff)", "NO", "not checkable here (no git history)"]
+        "yes (git: at most comments and docstrings differ)", "NO", "not checkable here (no git history)"]
 
 
 @pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
