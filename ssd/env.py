@@ -89,7 +89,23 @@ def gpu_slug(env: dict) -> str:
 
 
 def write_json(path: Path | str, payload) -> Path:
+    """Write ``payload`` as JSON, one record to a line (see :func:`dumps`)."""
     path = Path(path)  # --out arguments arrive as strings
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    path.write_text(dumps(payload) + "\n")
     return path
+
+
+def dumps(obj, depth: int = 0) -> str:
+    """JSON with nesting indented one space a level, except that a dict or list holding only
+    scalars (or lists of scalars) takes one line: a recording's records, rows and settings read
+    one to a line, and the files stay small (the GPU machine's carried tree is capped)."""
+    flat = lambda v: not isinstance(v, (dict, list)) or (  # noqa: E731
+        isinstance(v, list) and not any(isinstance(x, (dict, list)) for x in v))
+    pad = " " * (depth + 1)
+    if isinstance(obj, dict) and not all(flat(v) for v in obj.values()):
+        items = (f"{pad}{json.dumps(k)}: {dumps(v, depth + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + "\n" + " " * depth + "}"
+    if isinstance(obj, list) and not all(flat(v) for v in obj):
+        return "[\n" + ",\n".join(pad + dumps(v, depth + 1) for v in obj) + "\n" + " " * depth + "]"
+    return json.dumps(obj)

@@ -70,9 +70,10 @@ def load_recorded_at(name: str, rev: str, gpu: str | None = None) -> dict:
 
 
 #: git pathspecs of the code a recording measures: the ``ssd`` package (kernels, launchers,
-#: benchmark and end-to-end harnesses) without the modules that only render the chapters.
+#: benchmark and end-to-end harnesses) without the modules that only render the chapters and the
+#: one that only writes the record (``env``: the environment fields and the JSON layout).
 MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
-                 ":(exclude)ssd/notebooks.py")
+                 ":(exclude)ssd/notebooks.py", ":(exclude)ssd/env.py")
 
 
 def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None:

@@ -239,6 +239,22 @@ def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
     assert json.loads(path.read_text()) == {"a": 1}
 
 
+def test_write_json_puts_one_record_on_a_line_and_reads_back_the_same(tmp_path):
+    import json
+
+    from ssd.env import write_json
+
+    payload = {"records": [{"shape": "a", "dims": [1, 2], "ms": 0.5},
+                           {"shape": "b", "dims": [3, 4], "ms": 1.5, "config": {"q": 64}}],
+               "settings": {"reps": 30}, "empty": [], "none": None, "nested": [[1, 2], [3]]}
+    text = write_json(tmp_path / "x.json", payload).read_text()
+    assert json.loads(text) == payload
+    lines = text.splitlines()
+    assert '  {"shape": "a", "dims": [1, 2], "ms": 0.5},' in lines   # a flat record: one line
+    assert ' "settings": {"reps": 30},' in lines
+    assert '   "config": {"q": 64}' in lines                          # nested: indented by depth
+
+
 def test_tilegym_configs_reads_the_tune_caches(monkeypatch):
     """The configurations TileGym chose are read from its per-kernel caches; none without it."""
     import sys
