@@ -17,7 +17,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym clean
+.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym gpu-tilegym-replay clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -92,6 +92,17 @@ gpu-tilegym:
 	  $(GPU_PYTHON) -m ssd.bench --suite models --shapes $$s --impl ssd --impl tilegym_tuned --quick \
 	    --reps 30 --out results/$$gpu/tilegym_tuned/$$s.json || exit 1; \
 	done
+
+# make gpu-tilegym-replay: TileGym tuned beside ours in one process for the models shapes, each
+# with the configurations TileGym's search chose in results/<gpu>/tilegym_tuned/<shape>.json (make
+# gpu-tilegym) instead of searching again: about a minute instead of a quarter of an hour, so our
+# kernels can be set beside TileGym tuned at every revision. Written to
+# results/<gpu>/tilegym_replayed.json (records say tuning="replayed"; the tuning time stays in the
+# searched files). The benchmark refuses to replay a run of another TileGym version: tune again.
+gpu-tilegym-replay:
+	gpu=$$($(GPU_PYTHON) -c 'from ssd.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
+	$(GPU_PYTHON) -m ssd.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 \
+	  --tilegym-replay results/$$gpu/tilegym_tuned --out results/$$gpu/tilegym_replayed.json
 
 clean:
 	rm -rf _build .jupyter_cache

@@ -379,13 +379,18 @@ def _progress(items, desc):
 
 def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", "eager"),
               l2s=("flushed", "warm"), reps=50, config=None, stages=True, ceilings=None,
-              dtype="bfloat16") -> dict:
+              dtype="bfloat16", tilegym_replay=None) -> dict:
     """Gate, then time every implementation on every shape; return the suite's payload.
 
     mamba_ssm's autotuned kernels are reset before each shape (:func:`ssd.peers.retune_mamba_ssm`),
     so its first call on a shape tunes for that shape; the tuning is in ``first_call_s``, never
-    in the steady-state times.
+    in the steady-state times. ``tilegym_replay`` (shape -> a recorded TileGym tuning run, see
+    :func:`tilegym_replay_source`): TileGym tuned takes that run's configurations instead of
+    searching (:func:`ssd.peers.tilegym_replaying`); its records say ``tuning="replayed"`` and its
+    ``first_call_s`` holds no tuning (the run it replays kept that).
     """
+    import contextlib
+
     import torch
 
     from . import peers
@@ -402,53 +407,86 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
         floor = floor_ms(shape, ceilings)
         if "mamba_ssm" in table:
             peers.retune_mamba_ssm()  # tune on this shape, not on the suite's first one
-        for impl, by_chunk in table.items():
-            for q, fn in by_chunk.items():
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                try:
-                    y = fn()
+        replayed = (tilegym_replay or {}).get(shape.name)
+        replaying = (peers.tilegym_replaying(replayed["configs"])
+                     if replayed and "tilegym_tuned" in table else contextlib.nullcontext())
+        with replaying:
+            for impl, by_chunk in table.items():
+                for q, fn in by_chunk.items():
                     torch.cuda.synchronize()
-                except Exception as exc:  # a peer that crashes is a result, not a harness error
-                    failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
-                                         error=f"{type(exc).__name__}: {exc}"[:400]))
-                    continue
-                first_s = time.perf_counter() - start
-                err = gate(shape, inputs, y)
-                if err < 0 or not math.isfinite(err):
-                    failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
-                                         error=f"correctness gate: rel err {abs(err):.3e}"))
-                    continue
-                for mode in modes:
-                    for l2 in l2s:
-                        stats = time_fn(fn, mode=mode, l2=l2, reps=reps)
-                        records.append(dict(shape=shape.name, dims=list(shape.dims), impl=impl,
-                                            chunk_size=q, mode=mode, l2=l2, dtype=dtype,
-                                            **stats, **floor, gate_rel_err=err,
-                                            first_call_s=first_s))
-        if stages:
-            row = dict(shape=shape.name, ssd=stage_times(inputs, config=config))
+                    start = time.perf_counter()
+                    try:
+                        y = fn()
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # a peer that crashes is a result, not a harness error
+                        failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
+                                             error=f"{type(exc).__name__}: {exc}"[:400]))
+                        continue
+                    first_s = time.perf_counter() - start
+                    err = gate(shape, inputs, y)
+                    if err < 0 or not math.isfinite(err):
+                        failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
+                                             error=f"correctness gate: rel err {abs(err):.3e}"))
+                        continue
+                    tuning = {}
+                    if impl == "tilegym_tuned":
+                        tuning = dict(tuning="replayed" if replayed else "searched")
+                    for mode in modes:
+                        for l2 in l2s:
+                            stats = time_fn(fn, mode=mode, l2=l2, reps=reps)
+                            records.append(dict(shape=shape.name, dims=list(shape.dims), impl=impl,
+                                                chunk_size=q, mode=mode, l2=l2, dtype=dtype,
+                                                **stats, **floor, gate_rel_err=err,
+                                                first_call_s=first_s, **tuning))
+            if stages:
+                row = dict(shape=shape.name, ssd=stage_times(inputs, config=config))
+                if "mamba_ssm" in table:
+                    best = min((r for r in records if r["shape"] == shape.name
+                                and r["impl"] == "mamba_ssm" and r["mode"] == "graph"
+                                and r["l2"] == "flushed"),
+                               key=lambda r: r["median_ms"], default=None)
+                    if best:
+                        row["mamba_ssm_chunk_size"] = best["chunk_size"]
+                        row["mamba_ssm"] = mamba_ssm_stage_times(inputs, best["chunk_size"])
+                stage_rows.append(row)
             if "mamba_ssm" in table:
-                best = min((r for r in records if r["shape"] == shape.name
-                            and r["impl"] == "mamba_ssm" and r["mode"] == "graph"
-                            and r["l2"] == "flushed"), key=lambda r: r["median_ms"], default=None)
-                if best:
-                    row["mamba_ssm_chunk_size"] = best["chunk_size"]
-                    row["mamba_ssm"] = mamba_ssm_stage_times(inputs, best["chunk_size"])
-            stage_rows.append(row)
-        if "mamba_ssm" in table:
-            tuned[shape.name] = peers.mamba_ssm_configs()
-        if "tilegym_tuned" in table:
-            tilegym_tuned[shape.name] = peers.tilegym_configs()
-            tilegym_stages[shape.name] = dict(ssd=stage_times(inputs, config=config),
-                                              tilegym_tuned=tilegym_stage_times(inputs))
+                tuned[shape.name] = peers.mamba_ssm_configs()
+            if "tilegym_tuned" in table:
+                tilegym_tuned[shape.name] = peers.tilegym_configs()
+                tilegym_stages[shape.name] = dict(ssd=stage_times(inputs, config=config),
+                                                  tilegym_tuned=tilegym_stage_times(inputs))
         del inputs
         torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, flush_bytes=512 * 2**20, timer="CUDA events",
                     statistic="median", mamba_ssm_autotune="per shape")
-    return dict(records=records, stages=stage_rows, failures=failures, skipped=skipped_all,
-                mamba_ssm_configs=tuned, tilegym_configs=tilegym_tuned,
-                tilegym_stages=tilegym_stages, ceilings=ceilings, settings=settings)
+    payload = dict(records=records, stages=stage_rows, failures=failures, skipped=skipped_all,
+                   mamba_ssm_configs=tuned, tilegym_configs=tilegym_tuned,
+                   tilegym_stages=tilegym_stages, ceilings=ceilings, settings=settings)
+    if tilegym_replay:
+        payload["tilegym_replayed_from"] = {s: {k: v for k, v in r.items() if k != "configs"}
+                                            for s, r in tilegym_replay.items()}
+    return payload
+
+
+def tilegym_replay_source(folder, shape: str) -> dict:
+    """What ``--tilegym-replay folder`` replays for ``shape``: the configurations TileGym's
+    search chose in the recorded run ``folder/<shape>.json`` (``make gpu-tilegym``), with that
+    run's file, revision, date, TileGym version and tuning time (its first call's seconds)."""
+    from pathlib import Path
+
+    path = Path(folder) / f"{shape}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--tilegym-replay: no recorded tuning run {path} for {shape}")
+    run = json.loads(path.read_text())
+    configs = run.get("tilegym_configs", {}).get(shape)
+    tuned = [r for r in run["records"] if r["impl"] == "tilegym_tuned"
+             and r.get("tuning", "searched") == "searched"]
+    if not configs or not tuned:
+        raise ValueError(f"--tilegym-replay: {path} holds no searched TileGym tuning of {shape}")
+    env = run["environment"]
+    return dict(configs=configs, file=str(path), git_revision=env.get("git_revision"),
+                date=env.get("date"), tilegym=env.get("tilegym"),
+                tuning_s=tuned[0]["first_call_s"])
 
 
 def best_records(records, impl, mode="graph", l2="flushed") -> dict:
@@ -711,12 +749,18 @@ def main(argv=None) -> int:
                              "instead of the study's space (e.g. state.block_k=16,32, q=128, or "
                              "scan.block_m=32+scan.block_s=32 for one point changing both); "
                              "written to results/<gpu>/study-vary.json unless --out")
+    parser.add_argument("--tilegym-replay", metavar="FOLDER",
+                        help="TileGym tuned takes the configurations its search chose in the "
+                             "recorded runs FOLDER/<shape>.json (make gpu-tilegym) instead of "
+                             "searching again; needs --impl tilegym_tuned")
     parser.add_argument("--shapes", metavar="NAME,NAME",
                         help="only these shapes of the suite (the study: of the models suite; "
                              f"default {','.join(STUDY_SHAPES)})")
     args = parser.parse_args(argv)
     if args.vary and args.suite != "study":
         parser.error("--vary goes with --suite study")
+    if args.tilegym_replay and "tilegym_tuned" not in (args.impl or ()):
+        parser.error("--tilegym-replay goes with --impl tilegym_tuned")
     pool = {s.name: s for s in SUITES.get("models" if args.suite == "study" else args.suite, ())}
     names = args.shapes.split(",") if args.shapes else (
         list(STUDY_SHAPES) if args.suite == "study" else list(pool))
@@ -725,6 +769,12 @@ def main(argv=None) -> int:
                      f"(it has: {', '.join(pool) or 'no named shapes'})")
     shapes = [pool[n] for n in names]
     env = environment()
+    replay = None
+    if args.tilegym_replay:
+        replay = {s.name: tilegym_replay_source(args.tilegym_replay, s.name) for s in shapes}
+        if stale := {s: r["tilegym"] for s, r in replay.items() if r["tilegym"] != env["tilegym"]}:
+            parser.error(f"--tilegym-replay: recorded with TileGym {stale}, installed "
+                         f"{env['tilegym']}: tune again (make gpu-tilegym)")
     if args.suite == "first-call":
         payload = dict(rows=[first_call_seconds(Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1)),
                              first_call_seconds(Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4))])
@@ -734,7 +784,7 @@ def main(argv=None) -> int:
     else:
         quick = dict(modes=("graph",), l2s=("flushed",), stages=False) if args.quick else {}
         payload = run_suite(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
-                            reps=args.reps, **quick)
+                            reps=args.reps, tilegym_replay=replay, **quick)
         sp = speedups(payload["records"])
         payload["speedup_vs_mamba_ssm"] = sp
         print("\nshape            ours ms   mamba_ssm best ms   speedup   floor ms   ours/floor")

@@ -8,10 +8,12 @@
 * TileGym's cuTile Mamba-2, ``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, a, b, c, d,
   dt, init_state, chunk_size)``: dt already positive (no bias, no softplus), D per head,
   initial state required, sequence length a multiple of the chunk size. Autotuning is on
-  unless ``TILEGYM_DISABLE_AUTOTUNE=1`` is set before the first call.
+  unless ``TILEGYM_DISABLE_AUTOTUNE=1`` is set before the first call; :func:`tilegym_replaying`
+  replays a recorded tuning run's choices instead of searching again.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -99,6 +101,36 @@ def tilegym_configs() -> dict:
     return {name.removeprefix("_").removesuffix("_tune_cache"): [str(v[0]) for v in cache.values()]
             for name, cache in vars(module).items()
             if name.endswith("_tune_cache") and isinstance(cache, dict) and cache}
+
+
+@contextlib.contextmanager
+def tilegym_replaying(chosen: dict):
+    """Within the block, TileGym's autotuning takes for each of its kernels the configuration a
+    recorded tuning run chose, instead of timing every candidate: ``chosen`` maps kernel to
+    [configuration string], as :func:`tilegym_configs` records them. Everything else is TileGym's
+    own code path (its candidates, its cache, its launch with the chosen configuration's hints),
+    so the forward runs as that tuning left it, minus the minutes of search. A recorded
+    configuration must be exactly one of the candidates TileGym offers: a TileGym whose search
+    space changed raises :class:`PeerUnavailable`. Autotuning must be on
+    (``TILEGYM_DISABLE_AUTOTUNE`` unset), or TileGym takes its first candidate without asking."""
+    tilegym_forward()  # TileGym importable, or PeerUnavailable
+    module = sys.modules["tilegym.ops.cutile.mamba2"]
+    wanted = {config for configs in chosen.values() for config in configs}
+    search = module.exhaustive_search
+
+    def replay(configs, *args, **kwargs):
+        hits = [c for c in configs if str(c) in wanted]
+        if len(hits) != 1:
+            raise PeerUnavailable(f"TileGym replay: {len(hits)} of its {len(configs)} candidate "
+                                  f"configurations match the recorded ones {sorted(wanted)}; "
+                                  "a TileGym with another search space?")
+        return types.SimpleNamespace(best=types.SimpleNamespace(config=hits[0]))
+
+    module.exhaustive_search = replay
+    try:
+        yield
+    finally:
+        module.exhaustive_search = search
 
 
 def mamba_ssm_version() -> str | None:

@@ -222,7 +222,9 @@ def test_retune_mamba_ssm_forgets_only_mamba_ssms_tuned_configurations(monkeypat
 @pytest.mark.parametrize("argv, message", [(["--shapes", "2.7b,7b"], "7b not in the models suite"),
                                            (["--suite", "first-call", "--shapes", "130m"],
                                             "no named shapes"),
-                                           (["--suite", "study", "--shapes", "x"], "x not in")])
+                                           (["--suite", "study", "--shapes", "x"], "x not in"),
+                                           (["--tilegym-replay", "results/h200/tilegym_tuned"],
+                                            "goes with --impl tilegym_tuned")])
 def test_main_rejects_shapes_outside_the_suite(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
@@ -269,6 +271,49 @@ def test_tilegym_configs_reads_the_tune_caches(monkeypatch):
     mamba2._chunk_cumsum_tune_cache = {}  # never ran: left out
     monkeypatch.setitem(sys.modules, mamba2.__name__, mamba2)
     assert peers.tilegym_configs() == {"compute_out": ["namespace(BLOCK_STATE=64)"]}
+
+
+def test_tilegym_replaying_takes_the_recorded_configuration_instead_of_searching(monkeypatch):
+    """TileGym's own search call is answered with the recorded choice, only inside the block; a
+    recorded configuration that is not exactly one of its candidates is an error."""
+    import sys
+    import types
+
+    from ssd import peers
+
+    ns = types.SimpleNamespace
+    mamba2 = types.ModuleType("tilegym.ops.cutile.mamba2")
+    search = mamba2.exhaustive_search = lambda configs, *args: "searched"
+    monkeypatch.setitem(sys.modules, mamba2.__name__, mamba2)
+    monkeypatch.setattr(peers, "tilegym_forward", lambda: None)
+    chosen = {"compute_out": ["namespace(BLOCK_STATE=64, H_LAT=4)"],
+              "chunk_cumsum": ["namespace(BLOCK_H=8)"]}
+    candidates = [ns(BLOCK_STATE=s, H_LAT=h) for s in (32, 64) for h in (3, 4)]
+    with peers.tilegym_replaying(chosen):
+        got = mamba2.exhaustive_search(candidates, "stream", "grid", "kernel", "args", "hints")
+        assert got.best.config is candidates[3]
+        assert mamba2.exhaustive_search([ns(BLOCK_H=4), ns(BLOCK_H=8)]).best.config == ns(BLOCK_H=8)
+        with pytest.raises(peers.PeerUnavailable, match="0 of its 2 candidate"):
+            mamba2.exhaustive_search([ns(BLOCK_H=4), ns(BLOCK_H=16)])
+    assert mamba2.exhaustive_search is search
+
+
+def test_tilegym_replay_source_reads_a_recorded_tuning_run(tmp_path):
+    """What --tilegym-replay takes from make gpu-tilegym's file: the chosen configurations and
+    the run they come from, its tuning time among them."""
+    folder = nbutil.RESULTS / "h200" / "tilegym_tuned"
+    run = json.loads((folder / "2.7b.json").read_text())
+    got = bench.tilegym_replay_source(folder, "2.7b")
+    assert got["configs"] == run["tilegym_configs"]["2.7b"] and got["configs"]
+    assert got["tuning_s"] == next(r["first_call_s"] for r in run["records"]
+                                   if r["impl"] == "tilegym_tuned") > 60
+    assert got["git_revision"] == run["environment"]["git_revision"]
+    with pytest.raises(FileNotFoundError, match="no recorded tuning run"):
+        bench.tilegym_replay_source(tmp_path, "2.7b")
+    replayed = dict(run, records=[dict(r, tuning="replayed") for r in run["records"]])
+    (tmp_path / "2.7b.json").write_text(json.dumps(replayed))
+    with pytest.raises(ValueError, match="no searched TileGym tuning"):  # never replay a replay
+        bench.tilegym_replay_source(tmp_path, "2.7b")
 
 
 def test_study_default_is_what_the_api_picks_per_shape():
