@@ -31,6 +31,7 @@ environment record (``ssd.env.environment``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 
@@ -389,8 +391,6 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
     searching (:func:`ssd.peers.tilegym_replaying`); its records say ``tuning="replayed"`` and its
     ``first_call_s`` holds no tuning (the run it replays kept that).
     """
-    import contextlib
-
     import torch
 
     from . import peers
@@ -472,8 +472,6 @@ def tilegym_replay_source(folder, shape: str) -> dict:
     """What ``--tilegym-replay folder`` replays for ``shape``: the configurations TileGym's
     search chose in the recorded run ``folder/<shape>.json`` (``make gpu-tilegym``), with that
     run's file, revision, date, TileGym version and tuning time (its first call's seconds)."""
-    from pathlib import Path
-
     path = Path(folder) / f"{shape}.json"
     if not path.is_file():
         raise FileNotFoundError(f"--tilegym-replay: no recorded tuning run {path} for {shape}")
