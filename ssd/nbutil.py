@@ -54,13 +54,14 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
     return json.loads(path.read_text())
 
 
-def load_recorded_at(name: str, rev: str, gpu: str | None = None) -> dict:
+def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None) -> dict:
     """The recording ``name`` of the code at git revision ``rev``: the current file when it was
-    made at ``rev`` or at a revision whose measured code is the same (:func:`same_code`), else
-    ``previous/<name>-<rev>.json``, where a run is kept when a later one replaces it, so that a
-    chapter can set files of the same code side by side."""
+    made at ``rev`` or at a revision whose measured code is the same (:func:`same_code` over
+    ``paths``, default :data:`MEASURED_CODE`), else ``previous/<name>-<rev>.json``, where a run
+    is kept when a later one replaces it, so that a chapter can set files of the same code side
+    by side."""
     current = load_recorded(name, gpu)
-    if same_code(current["environment"]["git_revision"], rev):
+    if same_code(current["environment"]["git_revision"], rev, paths=paths or MEASURED_CODE):
         return current
     path = result_path(f"previous/{name}-{rev[:7]}", gpu)
     if not path.is_file():
@@ -74,6 +75,10 @@ def load_recorded_at(name: str, rev: str, gpu: str | None = None) -> dict:
 #: one that only writes the record (``env``: the environment fields and the JSON layout).
 MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
                  ":(exclude)ssd/notebooks.py", ":(exclude)ssd/env.py")
+#: the kernels, their launchers, the API and the layer: :data:`MEASURED_CODE` without the
+#: benchmark harness and the peers' adapters, which change when a harness option is added (a
+#: TileGym replay, say) while the code a recording times stays the same.
+KERNEL_CODE = (*MEASURED_CODE, ":(exclude)ssd/bench.py", ":(exclude)ssd/peers.py")
 
 
 def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None:
@@ -89,13 +94,7 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
         return True
     if any(r is None or r.endswith("-dirty") for r in revs):
         return None
-
-    def git(*args):
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
-        if out.returncode:  # not a git checkout, or a revision it does not have
-            raise LookupError(out.stderr)
-        return out.stdout
-
+    git = functools.partial(_git, root)
     try:
         for rev in revs[1:]:
             for path in git("diff", "--name-only", revs[0], rev, "--", *paths).splitlines():
@@ -110,6 +109,36 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
     except (OSError, subprocess.SubprocessError, LookupError):
         return None
     return True
+
+
+def same_function(path: str, name: str, *revisions, root: Path = ROOT) -> bool | None:
+    """Whether the module-level function ``name`` of the file ``path`` has the same code
+    (docstrings aside, as in :func:`same_code`) at the given git revisions: True, False, or
+    None where git cannot tell. For a harness file that changed around a function a chapter
+    relies on (the benchmark's timer, say)."""
+    revs = list(dict.fromkeys(revisions))
+    if any(r is None or r.endswith("-dirty") for r in revs):
+        return None
+    codes = set()
+    for rev in revs:
+        try:
+            _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+        except (OSError, subprocess.SubprocessError, LookupError):
+            return None  # no git here, or a revision it does not have
+        try:
+            found = [node for node in ast.parse(_git(root, "show", f"{rev}:{path}")).body
+                     if isinstance(node, ast.FunctionDef) and node.name == name]
+        except LookupError:  # the file is absent at that revision
+            found = []
+        codes.add(_code_of(ast.unparse(found[0])) if found else None)
+    return len(codes) == 1 and None not in codes
+
+
+def _git(root: Path, *args) -> str:
+    out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+    if out.returncode:  # not a git checkout, or a revision it does not have
+        raise LookupError(out.stderr)
+    return out.stdout
 
 
 def _code_of(source: str) -> str:

@@ -85,8 +85,13 @@ def test_recorded_at_a_revision_falls_back_to_the_kept_run(tmp_path, monkeypatch
     with pytest.raises(FileNotFoundError, match="no models-0123456.json keeps the run"):
         nbutil.load_recorded_at("models", "0123456789ab")
     # a later revision whose measured code is the same (only chapters changed) reads the current run
-    monkeypatch.setattr(nbutil, "same_code", lambda *revs: len(set(revs)) == 1 or "0123456789ab" in revs)
+    monkeypatch.setattr(nbutil, "same_code", lambda *revs, paths: len(set(revs)) == 1 or "0123456789ab" in revs)
     assert nbutil.load_recorded_at("models", "0123456789ab")["v"] == "now"
+    # ... and the code compared is the one the caller names
+    monkeypatch.setattr(nbutil, "same_code", lambda *revs, paths: paths == nbutil.KERNEL_CODE)
+    assert nbutil.load_recorded_at("models", "0123456789ab", paths=nbutil.KERNEL_CODE)["v"] == "now"
+    with pytest.raises(FileNotFoundError):
+        nbutil.load_recorded_at("models", "0123456789ab")
 
 
 def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch):
@@ -139,6 +144,20 @@ def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
     assert nbutil.same_code(a, b, root=tmp_path / "ssd" / "nowhere") is None
     assert [nbutil.same_code_word(r) for r in (True, False, None)] == [
         "yes (git: at most comments and docstrings differ)", "NO", "not checkable here (no git history)"]
+    # one function of a file: the same where only code around it (or its docstring) changed
+    (tmp_path / "ssd" / "h.py").write_text("def timer():\n    return 1\n\n\ndef other():\n    return 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "f")
+    f = git("rev-parse", "--short=12", "HEAD")
+    (tmp_path / "ssd" / "h.py").write_text('def timer():\n    """Times."""\n    return 1\n\n\n'
+                                           'def other():\n    return 2\n')
+    git("add", "-A")
+    git("commit", "-qm", "g")
+    g = git("rev-parse", "--short=12", "HEAD")
+    fn = lambda name, *revs: nbutil.same_function("ssd/h.py", name, *revs, root=tmp_path)  # noqa: E731
+    assert fn("timer", f, g) is True and fn("other", f, g) is False
+    assert fn("timer", a, f) is False  # the file is absent at a
+    assert fn("timer", f, "0123456789ab") is None and fn("gone", f) is False
 
 
 @pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
