@@ -130,6 +130,8 @@ def same_function(path: str, name: str, *revisions, root: Path = ROOT) -> bool |
                      if isinstance(node, ast.FunctionDef) and node.name == name]
         except LookupError:  # the file is absent at that revision
             found = []
+        except (OSError, subprocess.SubprocessError):
+            return None
         codes.add(_code_of(ast.unparse(found[0])) if found else None)
     return len(codes) == 1 and None not in codes
 
