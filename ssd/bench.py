@@ -678,9 +678,12 @@ def config_label(q, cfg: SSDConfig) -> str:
             f"{sc_extra} {_hints_label(sc)}")
 
 
-def run_study(shapes, space=None, reps=30) -> dict:
-    """Time ours over the config space on each shape (graph replay, L2 flushed): ``space``, or
-    per shape ``config_space(shape.dims, sms)``, whose first point is what the API ships there."""
+def run_study(shapes, space=None, reps=30, stages=False) -> dict:
+    """Time ours over the config space on each shape (graph replay, L2 flushed): ``space`` (a
+    list of (factor, chunk size, SSDConfig), or a function of the shape and the GPU's SM count
+    returning one), or per shape ``config_space(shape.dims, sms)``, whose first point is what
+    the API ships there. ``stages``: each point also times each of its kernels alone
+    (:func:`stage_times`: eager, L2 flushed), so a screen sees which stage a change moved."""
     import torch
 
     from . import api
@@ -690,7 +693,8 @@ def run_study(shapes, space=None, reps=30) -> dict:
     for shape in _progress(shapes, "study"):
         inputs = make_inputs(shape)
         x, dt, A, B, C, D, bias = _forward_args(inputs)
-        for factor, q, cfg in space or config_space(shape.dims, sms):
+        points = space(shape, sms) if callable(space) else space or config_space(shape.dims, sms)
+        for factor, q, cfg in points:
             fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
                 x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)
             start = time.perf_counter()
@@ -699,12 +703,28 @@ def run_study(shapes, space=None, reps=30) -> dict:
             first = time.perf_counter() - start
             err = gate(shape, inputs, y)
             stats = time_fn(fn, mode="graph", l2="flushed", reps=reps)
+            extra = dict(stages=stage_times(inputs, chunk_size=q, config=cfg)) if stages else {}
             rows.append(dict(shape=shape.name, dims=list(shape.dims), chunk_size=q,
                              factor=factor, label=config_label(q, cfg), config=asdict(cfg),
-                             gate_rel_err=err, first_call_s=first, **stats))
+                             gate_rel_err=err, first_call_s=first, **stats, **extra))
         del inputs
         torch.cuda.empty_cache()
     return dict(rows=rows)
+
+
+def study_ratios(rows) -> dict:
+    """shape -> [(factor, label, forward time / the shape's "default" point's, {stage: time /
+    the default's})] for the rows of one :func:`run_study` (stage ratios where it timed them):
+    what a screen reads, each point against the default of its own run."""
+    out = {}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == shape]
+        base = next(r for r in mine if r["factor"] == "default")
+        out[shape] = [(r["factor"], r["label"], r["median_ms"] / base["median_ms"],
+                       {k: v / base["stages"][k] for k, v in r.get("stages", {}).items()
+                        if k in base.get("stages", {})})
+                      for r in mine]
+    return out
 
 
 # ----------------------------------------------------------------------------- plots
@@ -747,6 +767,12 @@ def main(argv=None) -> int:
                              "instead of the study's space (e.g. state.block_k=16,32, q=128, or "
                              "scan.block_m=32+scan.block_s=32 for one point changing both); "
                              "written to results/<gpu>/study-vary.json unless --out")
+    parser.add_argument("--around", choices=("global", "shipped"), default="global",
+                        help="with --vary: the points change the sm_90 default (global) or what the "
+                             "API ships for each shape (shipped: narrow state slices, small-state "
+                             "tiles)")
+    parser.add_argument("--stages", action="store_true",
+                        help="study only: time each point's kernels alone too (eager, L2 flushed)")
     parser.add_argument("--tilegym-replay", metavar="FOLDER",
                         help="TileGym tuned takes the configurations its search chose in the "
                              "recorded runs FOLDER/<shape>.json (make gpu-tilegym) instead of "
@@ -757,6 +783,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.vary and args.suite != "study":
         parser.error("--vary goes with --suite study")
+    if args.stages and args.suite != "study":
+        parser.error("--stages goes with --suite study")
     if args.tilegym_replay and "tilegym_tuned" not in (args.impl or ()):
         parser.error("--tilegym-replay goes with --impl tilegym_tuned")
     pool = {s.name: s for s in SUITES.get("models" if args.suite == "study" else args.suite, ())}
@@ -778,7 +806,16 @@ def main(argv=None) -> int:
                              first_call_seconds(Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4))])
     elif args.suite == "study":
         space = vary_space(args.vary) if args.vary else None
-        payload = run_study(shapes, space=space, reps=args.reps)
+        if args.vary and args.around == "shipped":
+            space = lambda shape, sms: vary_space(args.vary, shape_default(shape.dims, sms))  # noqa: E731
+        payload = run_study(shapes, space=space, reps=args.reps, stages=args.stages)
+        payload["settings"] = dict(around=args.around if args.vary else "study", stages=args.stages)
+        for shape, points in study_ratios(payload["rows"]).items():
+            print(f"\n{shape}: time / default (forward, graph, L2 flushed"
+                  + ("; each stage alone, eager)" if args.stages else ")"))
+            for factor, label, fwd, st in points:
+                print(f"  {fwd:6.3f}  " + "".join(f"{k} {v:.3f}  " for k, v in st.items())
+                      + f"{factor}: {label}")
     else:
         quick = dict(modes=("graph",), l2s=("flushed",), stages=False) if args.quick else {}
         payload = run_suite(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),

@@ -198,6 +198,33 @@ def test_vary_space_is_one_point_per_value_around_the_default():
     assert all(" k" not in bench.config_label(q, c) for _, q, c in bench.config_space())
 
 
+def test_vary_space_around_a_shapes_shipped_default():
+    # long-16k (one sequence) ships the narrow stage-2 slices; a point around it keeps them
+    dims = next(s for s in bench.SUITES["models"] if s.name == "long-16k").dims
+    shipped = bench.shape_default(dims, sms=132)
+    assert shipped != default_config((9, 0))
+    space = bench.vary_space(["scan.block_h=1"], shipped)
+    assert space[0][2] == shipped and space[1][2].state == shipped.state
+    assert space[1][2].scan.block_h == 1
+
+
+def test_study_ratios_set_each_point_against_its_runs_default():
+    row = lambda shape, factor, ms, scan=None: dict(  # noqa: E731
+        shape=shape, factor=factor, label=factor, median_ms=ms,
+        **({"stages": {"chunk_scan": scan, "chunk_cumsum": 1.0}} if scan else {}))
+    rows = [row("a", "default", 2.0, 4.0), row("a", "x", 1.0, 1.0), row("b", "default", 1.0), row("b", "y", 3.0)]
+    got = bench.study_ratios(rows)
+    assert got["a"] == [("default", "default", 1.0, {"chunk_scan": 1.0, "chunk_cumsum": 1.0}),
+                        ("x", "x", 0.5, {"chunk_scan": 0.25, "chunk_cumsum": 1.0})]
+    assert got["b"] == [("default", "default", 1.0, {}), ("y", "y", 3.0, {})]
+
+
+def test_stages_and_around_are_study_options(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--suite", "models", "--stages"])
+    assert "--stages goes with --suite study" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("spec, message", [("state.block_q=16", "unknown field"),
                                            ("stage.block_k=16", "unknown field"),
                                            ("state.block_k", "expected STAGE.FIELD"),
