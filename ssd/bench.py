@@ -785,6 +785,8 @@ def main(argv=None) -> int:
         parser.error("--vary goes with --suite study")
     if args.stages and args.suite != "study":
         parser.error("--stages goes with --suite study")
+    if args.around != "global" and not args.vary:
+        parser.error("--around goes with --vary")
     if args.tilegym_replay and "tilegym_tuned" not in (args.impl or ()):
         parser.error("--tilegym-replay goes with --impl tilegym_tuned")
     pool = {s.name: s for s in SUITES.get("models" if args.suite == "study" else args.suite, ())}

@@ -223,6 +223,9 @@ def test_stages_and_around_are_study_options(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--suite", "models", "--stages"])
     assert "--stages goes with --suite study" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--suite", "study", "--around", "shipped"])
+    assert "--around goes with --vary" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec, message", [("state.block_q=16", "unknown field"),
