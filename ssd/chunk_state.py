@@ -56,6 +56,18 @@ def k_step(acc, kk, x, B, dt_out, dA_cumsum, seq_idx, last, seq_end, ib, ic, ih,
     return acc
 
 
+def chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
+    """Tile code: the [1] cumulative log-decay at the chunk's last position, dA_cumsum[..., Q-1].
+
+    Taken out of the chunk's last BLOCK_K row, not loaded as one element: a one-element tile is
+    a cp.async that the consumer warps issue and wait out themselves at every chunk of the
+    walk, where a row is a TMA load the producer issues ahead (and the same row the last K
+    step reads). On the H200 this took 21-24 % off the fused stage 2 at chunk 128
+    (results/h200/screening/stop21/tail-row.json; the Performance chapter has the numbers)."""
+    tail = ct.load(dA_cumsum, index=(ib, ih, ic, Q // BLOCK_K - 1), shape=(1, 1, 1, BLOCK_K))
+    return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K - 1,), shape=(1,))
+
+
 def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip,
                      jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY, TRANSPOSED=False,
                      FULL=False):
@@ -76,7 +88,7 @@ def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib
     which the H200 ran faster per forward than the counted loop on every model shape
     (results/h200/screening/stop17/flat-walk*.json; the Performance chapter has the numbers).
     """
-    last = ct.load(dA_cumsum, index=(ib, ih, ic, Q - 1), shape=(1, 1, 1, 1)).reshape((1,))
+    last = chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K)
     seq_end = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ
     if HAS_SEQ:
         seq_end = ct.load(seq_last, index=(ib, ic), shape=(1, 1)).reshape((1,))

@@ -25,7 +25,7 @@ import functools
 import cuda.tile as ct
 
 from ._launch import array_type, index_dtype_for, launch, optional
-from .chunk_state import LOG2E, chunk_state_tile
+from .chunk_state import LOG2E, chunk_end_decay, chunk_state_tile
 from .config import StateConfig
 
 ConstInt = ct.Constant[int]
@@ -33,10 +33,10 @@ ConstBool = ct.Constant[bool]
 ZERO = ct.PaddingMode.ZERO
 
 
-def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ):
+def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, BLOCK_K, HAS_SEQ):
     """Tile code: the [1, 1] factor that carries the running state across chunk ``ic``, and
     the sequence id at the chunk's end (the next chunk's ``prev_seq``)."""
-    last = ct.load(dA_cumsum, index=(ib, ih, ic, Q - 1), shape=(1, 1, 1, 1)).reshape((1, 1))
+    last = chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K).reshape((1, 1))
     factor = ct.exp2(last * LOG2E)  # [1, 1], decay of the whole chunk
     seq_end = prev_seq
     if HAS_SEQ:
@@ -102,7 +102,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
             else:
                 ct.store(prev_states, index=(ib, ic, ih, ip, jn),
                          tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype))
-            factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, HAS_SEQ)
+            factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, BLOCK_K,
+                                             HAS_SEQ)
             if FUSED:
                 state = chunk_state_tile(state * factor, x, B, dt_out, dA_cumsum, seq_idx,
                                          seq_last, seqlen, ib, ic, ih, ih // heads_per_group, ip,
