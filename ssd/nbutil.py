@@ -57,17 +57,20 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
 def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None) -> dict:
     """The recording ``name`` of the code at git revision ``rev``: the current file when it was
     made at ``rev`` or at a revision whose measured code is the same (:func:`same_code` over
-    ``paths``, default :data:`MEASURED_CODE`), else ``previous/<name>-<rev>.json``, where a run
-    is kept when a later one replaces it, so that a chapter can set files of the same code side
-    by side."""
+    ``paths``, default :data:`MEASURED_CODE`), else a run kept under ``previous/`` (as
+    ``<name>-<its revision>.json``, when a later run replaced it) that is of such a revision,
+    so that a chapter can set files of the same code side by side."""
+    paths = paths or MEASURED_CODE
     current = load_recorded(name, gpu)
-    if same_code(current["environment"]["git_revision"], rev, paths=paths or MEASURED_CODE):
+    if same_code(current["environment"]["git_revision"], rev, paths=paths):
         return current
-    path = result_path(f"previous/{name}-{rev[:7]}", gpu)
-    if not path.is_file():
-        raise FileNotFoundError(f"{name}: the recording is of {current['environment']['git_revision']} "
-                                f"and no {path.name} keeps the run at {rev}")
-    return json.loads(path.read_text())
+    kept = result_path("previous/x", gpu).parent.glob(f"{name}-???????.json")
+    for path in sorted(kept, key=lambda p: not p.stem.endswith(rev[:7])):  # rev's own run first
+        run = json.loads(path.read_text())
+        if same_code(run["environment"]["git_revision"], rev, paths=paths):
+            return run
+    raise FileNotFoundError(f"{name}: the recording is of {current['environment']['git_revision']} "
+                            f"and no run kept under previous/ is of code the same as at {rev}")
 
 
 #: git pathspecs of the code a recording measures: the ``ssd`` package (kernels, launchers,

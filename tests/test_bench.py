@@ -82,8 +82,12 @@ def test_recorded_at_a_revision_falls_back_to_the_kept_run(tmp_path, monkeypatch
     (tmp_path / "h200" / "previous" / "models-e565a6c.json").write_text(run("e565a6cf8684", "then"))
     assert nbutil.load_recorded_at("models", "c7c86d74b294")["v"] == "now"
     assert nbutil.load_recorded_at("models", "e565a6cf8684")["v"] == "then"
-    with pytest.raises(FileNotFoundError, match="no models-0123456.json keeps the run"):
+    with pytest.raises(FileNotFoundError, match="no run kept under previous/ is of code the same"):
         nbutil.load_recorded_at("models", "0123456789ab")
+    # a kept run of another revision whose measured code is the same as at the one asked for
+    monkeypatch.setattr(nbutil, "same_code", lambda a, b, paths: {a, b} <= {"e565a6cf8684", "fa495680f114"}
+                        or a == b)
+    assert nbutil.load_recorded_at("models", "fa495680f114")["v"] == "then"
     # a later revision whose measured code is the same (only chapters changed) reads the current run
     monkeypatch.setattr(nbutil, "same_code", lambda *revs, paths: len(set(revs)) == 1 or "0123456789ab" in revs)
     assert nbutil.load_recorded_at("models", "0123456789ab")["v"] == "now"
