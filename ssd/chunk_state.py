@@ -62,7 +62,7 @@ def chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     Taken out of the chunk's last BLOCK_K row, not loaded as one element: a one-element tile is
     a cp.async that the consumer warps issue and wait out themselves at every chunk of the
     walk, where a row is a TMA load the producer issues ahead (and the same row the last K
-    step reads). On the H200 this took 21-24 % off the fused stage 2 at chunk 128
+    step reads). On the H200 this took 18-24 % off the fused stage 2 at chunk 128
     (results/h200/screening/stop21/tail-row.json; the Performance chapter has the numbers)."""
     tail = ct.load(dA_cumsum, index=(ib, ih, ic, Q // BLOCK_K - 1), shape=(1, 1, 1, BLOCK_K))
     return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K - 1,), shape=(1,))
