@@ -155,13 +155,23 @@ def parse_resource_usage(text: str) -> dict:
     return {name: int(found[key]) for key, name in RESOURCE_FIELDS.items()}
 
 
-def resource_usage(cubin: bytes) -> dict:
+def _dump(cubin: bytes, option: str) -> str:
+    """``cuobjdump <option>`` of one cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump(), "--dump-resource-usage", f.name], check=True,
-                             capture_output=True, text=True).stdout
-    return parse_resource_usage(out)
+        return subprocess.run([cuobjdump(), option, f.name], check=True, capture_output=True,
+                              text=True).stdout
+
+
+def resource_usage(cubin: bytes) -> dict:
+    return parse_resource_usage(_dump(cubin, "--dump-resource-usage"))
+
+
+def sass(cubin: bytes) -> str:
+    """The cubin's machine code as text (``cuobjdump -sass``; it needs nvdisasm, from the
+    nvidia-cuda-nvdisasm wheel or on PATH beside cuobjdump)."""
+    return _dump(cubin, "-sass")
 
 
 def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:

@@ -71,6 +71,20 @@ def test_whole_chunk_tile_does_not_spill_where_it_ships():
     assert whole["stack_bytes"] == 0 and whole["registers"] == per_row["registers"]
 
 
+@pytest.mark.parametrize("chunk_size", [64, 128])
+def test_stage2_walk_issues_no_consumer_async_copy(chunk_size):
+    """The fused walk's per-chunk inputs reach it as TMA loads the producer warp issues ahead. A
+    one-element tile compiles for sm_90 to a cp.async (LDGSTS) that the consumer warps issue and
+    wait out themselves at every chunk: dA_cumsum[last] loaded that way cost the H200 18-24 % of
+    stage 2 (ssd.chunk_state.chunk_end_decay; results/h200/screening/stop21/tail-row.json).
+    The 2.7b shape's pattern, as the layer calls it (D, dt_bias, softplus)."""
+    records = aot.capture_forward("bfloat16", "layer", True, chunk_size=chunk_size,
+                                  dims=(4, 8 * chunk_size, 16, 64, 128, 1))
+    (walk,) = [r for r in records if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
+    code = aot.sass(aot.export_cubin(walk, "sm_90"))
+    assert "UTMALDG" in code and "LDGSTS" not in code
+
+
 def test_capture_records_instead_of_launching():
     records = aot.capture_forward("bfloat16", features="all", fused=False)
     names = [r.kernel._pyfunc.__name__ for r in records]
