@@ -64,8 +64,9 @@ def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None) ->
     current = load_recorded(name, gpu)
     if same_code(current["environment"]["git_revision"], rev, paths=paths):
         return current
-    kept = result_path("previous/x", gpu).parent.glob(f"{name}-???????.json")
-    for path in sorted(kept, key=lambda p: not p.stem.endswith(rev[:7])):  # rev's own run first
+    pattern = result_path(f"previous/{name}-???????", gpu)  # <name>-<7 hex digits>.json
+    for path in sorted(pattern.parent.glob(pattern.name),
+                       key=lambda p: not p.stem.endswith(rev[:7])):  # rev's own run first
         run = json.loads(path.read_text())
         if same_code(run["environment"]["git_revision"], rev, paths=paths):
             return run
