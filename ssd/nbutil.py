@@ -75,10 +75,12 @@ def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None) ->
 
 
 #: git pathspecs of the code a recording measures: the ``ssd`` package (kernels, launchers,
-#: benchmark and end-to-end harnesses) without the modules that only render the chapters and the
-#: one that only writes the record (``env``: the environment fields and the JSON layout).
+#: benchmark and end-to-end harnesses) without the modules that only render the chapters, the
+#: one that only writes the record (``env``: the environment fields and the JSON layout) and the
+#: CPU compile harness (``aot``: it exports cubins and reads their resources and SASS on a
+#: machine without a GPU; no GPU recording imports it, the kernels it compiles live elsewhere).
 MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
-                 ":(exclude)ssd/notebooks.py", ":(exclude)ssd/env.py")
+                 ":(exclude)ssd/notebooks.py", ":(exclude)ssd/env.py", ":(exclude)ssd/aot.py")
 #: the kernels, their launchers, the API and the layer: :data:`MEASURED_CODE` without the
 #: benchmark harness and the peers' adapters, which change when a harness option is added (a
 #: TileGym replay, say) while the code a recording times stays the same.
