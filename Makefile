@@ -62,8 +62,9 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # the kernel variants they use dominates; the repetition counts and the prefill grid (8-layer
 # stacks, the quick grid) are the ones the recorded results/h200 files were made with, so a run
 # here is comparable with them line for line (python -m ssd.endtoend without options sweeps the
-# full grid at the published depths). The layer calls our SSD at 128, the chunk size the
-# benchmark runs ours at (ssd.bench.OUR_CHUNK), and mamba_ssm's at the layer's 256.
+# full grid at the published depths). The layer calls our SSD at 128, the chunk size of the
+# layout study's default point (ssd.bench.OUR_CHUNK; the suites time ours, like mamba_ssm, at 64,
+# 128 and 256 and count its fastest), and mamba_ssm's at the layer's 256.
 GPU_PYTHON ?= python3
 gpu: gpu-check gpu-bench gpu-study gpu-results
 gpu-check:
