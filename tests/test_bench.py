@@ -40,6 +40,19 @@ def test_best_records_and_speedups():
     assert sp["geomean"] == pytest.approx(math.sqrt(8.0))
 
 
+def test_ours_is_timed_at_every_suite_chunk_size_and_counted_at_its_fastest():
+    # ours, like mamba_ssm, at 64/128/256 (the callables are built, not run: no GPU here)
+    inputs = bench.make_inputs(bench.Shape("tiny", 1, 128, 2, 8, 8, 1), "float32", device="cpu")
+    table, _ = bench.implementations(inputs, names=("ssd",))
+    assert sorted(table["ssd"]) == list(bench.SUITE_CHUNKS)
+    # its stage times go with its fastest graph-replay, L2-flushed record
+    records = [_rec("a", "ssd", 64, 1.0), _rec("a", "ssd", 128, 2.0),
+               _rec("a", "ssd", 256, 0.5, mode="eager"), _rec("a", "ssd", 256, 0.7, l2="warm")]
+    assert bench.fastest_chunk(records, "a", "ssd") == 64
+    assert bench.fastest_chunk(records, "b", "ssd") is None
+    assert bench.fastest_chunk(records, "a", "mamba_ssm") is None
+
+
 def test_suites_have_the_issue_shapes():
     dims = {s.name: s.dims for s in bench.SUITES["models"]}
     assert dims == {"130m": (8, 2048, 24, 64, 128, 1), "2.7b": (4, 4096, 80, 64, 128, 1),
