@@ -14,8 +14,9 @@ What it does, in order, for every shape of a suite:
    graph replay: host launch overhead removed, the fair comparison at small shapes).
 3. **Peers in the same process, on the same inputs**: mamba_ssm's Triton forward and ours at
    chunk sizes 64/128/256 (each implementation's fastest counts), TileGym's cuTile forward
-   untuned (and tuned, when asked, with its tuning time recorded). Times on these machines vary by up to 30 % between two machines of one
-   kind, so results are compared as ratios within one run.
+   untuned (and tuned, when asked, with its tuning time recorded). Times on these machines
+   vary by up to 30 % between two machines of one kind, so results are compared as ratios
+   within one run.
 4. **Floors** from ceilings measured in the same run (device-to-device copy bandwidth, bf16
    matmul rate) and the model in :func:`floor_ms`.
 5. **Compile time** apart from steady state: each record keeps the first call's wall time
