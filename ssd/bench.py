@@ -691,6 +691,14 @@ def config_label(q, cfg: SSDConfig) -> str:
             f"{sc_extra} {_hints_label(sc)}")
 
 
+def study_points(shapes, space, sms) -> dict:
+    """shape name -> its study points (see :func:`run_study`), built for every shape before any
+    is timed: a point that is no valid configuration on a later shape (a ``--vary`` around a
+    shape's shipped default, say) fails here, in a second, not after the earlier shapes' timing."""
+    return {shape.name: space(shape, sms) if callable(space) else space or config_space(shape.dims, sms)
+            for shape in shapes}
+
+
 def run_study(shapes, space=None, reps=30, stages=False) -> dict:
     """Time ours over the config space on each shape (graph replay, L2 flushed): ``space`` (a
     list of (factor, chunk size, SSDConfig), or a function of the shape and the GPU's SM count
@@ -702,12 +710,12 @@ def run_study(shapes, space=None, reps=30, stages=False) -> dict:
     from . import api
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    points_of = study_points(shapes, space, sms)
     rows = []
     for shape in _progress(shapes, "study"):
         inputs = make_inputs(shape)
         x, dt, A, B, C, D, bias = _forward_args(inputs)
-        points = space(shape, sms) if callable(space) else space or config_space(shape.dims, sms)
-        for factor, q, cfg in points:
+        for factor, q, cfg in points_of[shape.name]:
             fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
                 x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)
             start = time.perf_counter()
