@@ -569,11 +569,12 @@ def kernel_compile_seconds(cache_dir) -> dict:
 # ----------------------------------------------------------------------------- configs
 
 
-def shape_default(dims, sms: int, capability=(9, 0)) -> SSDConfig:
-    """The default the API picks for a shape of ``dims`` (b, l, h, p, n, g) on a GPU with
-    ``sms`` SMs (see :func:`ssd.config.default_config`), before clamping to the problem."""
+def shape_default(dims, sms: int, capability=(9, 0), chunk_size=OUR_CHUNK) -> SSDConfig:
+    """The default the API picks for a shape of ``dims`` (b, l, h, p, n, g) at ``chunk_size`` on
+    a GPU with ``sms`` SMs (see :func:`ssd.config.default_config`), before clamping to the
+    problem."""
     b, _, h, p, n, _ = dims
-    return default_config(capability, problem=(b, h, p, n), sms=sms)
+    return default_config(capability, problem=(b, h, p, n), sms=sms, chunk_size=chunk_size)
 
 
 def config_space(dims=None, sms: int | None = None):
@@ -582,9 +583,9 @@ def config_space(dims=None, sms: int | None = None):
     One factor at a time around the sm_90 default at chunk size ``OUR_CHUNK``. The first triple
     is that default, or, given a shape's ``dims`` and the GPU's ``sms``, the default the API
     picks for that shape (:func:`shape_default`; it differs where stage 2 would have few
-    blocks), so that the study times what ships. The factors: the chunk size; stage 2 (fused
-    or split, entering-state dtype, the state slice ``block_n``, its layout, the narrow slices
-    of few-block problems, the occupancy hint); chunk_scan (heads per block, occupancy hint,
+    blocks), so that the study times what ships. The factors: the chunk size (given ``dims``,
+    what the API picks at each); stage 2 (fused or split, entering-state dtype, the state
+    slice ``block_n``, its layout, the narrow slices of few-block problems, the occupancy hint); chunk_scan (heads per block, occupancy hint,
     persistent or one block per tile, whole-chunk tiles of one or two heads, tile shape);
     for each stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8
     worker warps instead of the compiler's 4). Choices interact, so this is not a grid: it
@@ -595,7 +596,8 @@ def config_space(dims=None, sms: int | None = None):
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
     sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
     space = [("default", OUR_CHUNK, d if dims is None else shape_default(dims, sms))]
-    space += [("chunk size", q, d) for q in (64, 128, 256) if q != OUR_CHUNK]
+    space += [("chunk size", q, d if dims is None else shape_default(dims, sms, chunk_size=q))
+              for q in (64, 128, 256) if q != OUR_CHUNK]
     space += [("stage 2 split", OUR_CHUNK, st(fused=False))]
     space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
     space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 32, 64, 128)

@@ -194,6 +194,19 @@ MEASURED_ARCHS = (9,)
 MIN_STAGE2_BLOCKS_PER_SM = 2
 NARROW_STATE = dict(block_n=32, transposed=False)
 
+# At chunk size 64, a problem whose fused stage-2 grid needs more than one wave of resident blocks
+# (2.7b: 4 x 80 x 2 slices = 640 blocks, 528 resident at four a SM on an H200) walks in two
+# rounds, the second a fifth full, each as long as the first. A whole state 128 wide per block,
+# read 32 positions a K step, halves the blocks and compiles to 80 registers and 21 KB of shared
+# memory (sm_90), so three fit a SM and the grid runs in one wave. Measured on 2.7b at chunk 64
+# (results/h200/screening/stop23/wide-state-2.7b.json): stage 2 0.71x the 64-wide slices' time,
+# the forward 0.86x the shipped forward at chunk 128. At chunk 128 the same slices are slower
+# (stage 2 1.33x), and on shapes whose grid fits one wave already they halve the parallelism
+# (codestral-7b, 130m: stage 2 1.13-1.22x at chunk 64), so the rule takes them only where the
+# default needs a second wave and they fit in one.
+ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3)
+ONE_WAVE_CHUNK = 64
+
 # chunk_scan over a state of at most SMALL_STATE: one head per block, and each persistent tile a
 # whole chunk (ScanConfig.whole_chunk). The whole-chunk tile unrolls its row blocks; on sm_90
 # this smallest tile keeps the default's registers without spilling (tests/test_aot.py checks
@@ -206,13 +219,15 @@ SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True)
 
 def default_config(capability: tuple[int, int] | None = None,
                    problem: tuple[int, int, int, int] | None = None,
-                   sms: int | None = None) -> SSDConfig:
+                   sms: int | None = None, chunk_size: int | None = None) -> SSDConfig:
     """Default config for a GPU of compute capability ``capability`` (None: the current GPU,
     or the sm_90 default when there is none). Given the ``problem``'s (batch, heads, headdim,
     dstate) and the GPU's ``sms``, a problem whose fused stage 2 would have fewer than
     ``MIN_STAGE2_BLOCKS_PER_SM`` blocks per SM (few sequences, few heads) gets narrower state
-    slices, and given the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk
-    chunk_scan tiles of one head: the Performance chapter measures both on the model shapes."""
+    slices; at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more than
+    one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
+    the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
+    one head: the Performance chapter measures all three on the model shapes."""
     if capability is None:
         try:
             import torch
@@ -223,8 +238,13 @@ def default_config(capability: tuple[int, int] | None = None,
     config = _DEFAULTS.get(capability[0], _DEFAULTS[9])
     if problem is not None:
         b, h, p, n = problem
-        if sms and b * h * config.state.slices(p, n)[2] < MIN_STAGE2_BLOCKS_PER_SM * sms:
+        blocks = b * h * config.state.slices(p, n)[2]
+        one_wave = replace(config.state, **ONE_WAVE_STATE)
+        if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms:
             config = replace(config, state=replace(config.state, **NARROW_STATE))
+        elif (sms and chunk_size == ONE_WAVE_CHUNK and blocks > (config.state.occupancy or 1) * sms
+              and b * h * one_wave.slices(p, n)[2] <= one_wave.occupancy * sms):
+            config = replace(config, state=one_wave)
         if n <= SMALL_STATE:
             config = replace(config, scan=replace(config.scan, **SMALL_STATE_SCAN))
     return config

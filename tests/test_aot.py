@@ -4,6 +4,8 @@ Runs the real stage launchers on CPU tensors under ``ssd._launch.capture()`` and
 recorded launch with ``cuda.tile.compilation.export_kernel`` (needs ``cuda-tile[tileiras]``,
 no GPU and no driver). A kernel that no longer compiles for one target fails here, in CI.
 """
+from dataclasses import replace
+
 import pytest
 
 pytest.importorskip("torch")
@@ -63,12 +65,39 @@ def test_small_state_default_compiles(arch):
 def test_whole_chunk_tile_does_not_spill_where_it_ships():
     """The premise of SMALL_STATE_SCAN (ssd/config.py): on sm_90 the whole-chunk tile of one head
     at n 64 compiles to the registers of the one-row-block tile and spills nothing."""
-    from dataclasses import replace
 
     config, scan = small_state_scan()
     _, rows = small_state_scan(replace(config, scan=replace(config.scan, whole_chunk=False)))
     whole, per_row = (aot.resource_usage(aot.export_cubin(r, "sm_90")) for r in (scan, rows))
     assert whole["stack_bytes"] == 0 and whole["registers"] == per_row["registers"]
+
+
+def one_wave_walk():
+    """The fused stage-2 walk the default takes on a 2.7b-pattern problem at chunk 64
+    (ONE_WAVE_STATE), captured at the 2.7b dims' array properties."""
+    from ssd.config import ONE_WAVE_STATE, default_config
+
+    b, h, p, n = 4, 80, 64, 128
+    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64)
+    assert config.state == replace(config.state, **ONE_WAVE_STATE)
+    records = aot.capture_forward("bfloat16", "layer", True, chunk_size=64, config=config,
+                                  dims=(b, 2 * 64, h, p, n, 1))
+    (walk,) = [r for r in records if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
+    return walk
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_one_wave_stage2_compiles(arch):
+    assert len(aot.export_cubin(one_wave_walk(), arch)) > 1000
+
+
+def test_one_wave_stage2_fits_three_blocks_a_sm():
+    """The premise of ONE_WAVE_STATE (ssd/config.py): on sm_90 three blocks fit a SM (256
+    threads of at most 85 registers, at most a third of 228 KB of shared memory) and the walk
+    spills nothing, so 2.7b's 320 blocks are one wave on 132 SMs."""
+    use = aot.resource_usage(aot.export_cubin(one_wave_walk(), "sm_90"))
+    assert use["registers"] * 256 * 3 <= 65536 and 3 * use["shared_bytes"] <= 228 * 1024
+    assert use["stack_bytes"] == 0
 
 
 @pytest.mark.parametrize("chunk_size", [64, 128])

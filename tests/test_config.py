@@ -120,6 +120,28 @@ def test_default_narrows_stage2_slices_where_the_fused_walk_has_few_blocks(b, h,
         assert cfg.state.slices(64, 128)[2] == 2 * wide.state.slices(64, 128)[2]
 
 
+@pytest.mark.parametrize("b,h,q,one_wave", [
+    (4, 80, 64, True),     # 2.7b: 640 blocks of 64-wide slices > 528 resident; 320 whole <= 396
+    (4, 80, 128, False),   # the same problem at chunk 128, where whole states are slower
+    (2, 128, 64, False),   # codestral-7b: 512 blocks fit one wave already
+    (8, 24, 64, False),    # 130m: 384
+    (8, 80, 64, False),    # 1280 blocks; 640 whole states would need two waves too
+    (1, 80, 64, False),    # long-16k: the narrow slices (160 blocks < 2 a SM)
+])
+def test_default_takes_whole_states_where_they_make_stage2_one_wave(b, h, q, one_wave):
+    """On 132 SMs at four resident blocks a SM (528) for the 64-wide slices and three (396) for
+    ONE_WAVE_STATE's, at chunk size 64 only."""
+    from ssd.config import ONE_WAVE_STATE
+
+    base = default_config((9, 0))
+    cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q)
+    assert (cfg.state == replace(base.state, **ONE_WAVE_STATE)) is one_wave
+    assert cfg.scan == base.scan
+    if one_wave:
+        whole, sliced = (b * h * c.state.slices(64, 128)[2] for c in (cfg, base))
+        assert whole <= 3 * 132 and sliced > 4 * 132
+
+
 def test_persistent_chunk_scan_launches_one_axis_of_blocks():
     import torch
 

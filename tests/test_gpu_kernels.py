@@ -19,7 +19,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd.config import NARROW_STATE, SMALL_STATE_SCAN, ScanConfig, SSDConfig, StateConfig  # noqa: E402
+from ssd.config import (NARROW_STATE, ONE_WAVE_STATE, SMALL_STATE_SCAN, ScanConfig,  # noqa: E402
+                        SSDConfig, StateConfig)
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
                           rel_err, run_stages)
@@ -42,7 +43,10 @@ S32 = SSDConfig(scan=ScanConfig(block_s=32, persistent=False))
 H1 = SSDConfig(scan=ScanConfig(block_h=1))
 # The default's chunk_scan for a small state: persistent tiles of every row block of a chunk.
 WHOLE = SSDConfig(scan=ScanConfig(**SMALL_STATE_SCAN))
-NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE)
+# The default's stage 2 where 64-wide slices need a second wave: the whole state (up to 128)
+# per block, 32 positions a K step.
+ONEWAVE = SSDConfig(state=StateConfig(**ONE_WAVE_STATE))
+NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE)
 # SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
