@@ -196,15 +196,19 @@ NARROW_STATE = dict(block_n=32, transposed=False)
 
 # At chunk size 64, a problem whose fused stage-2 grid needs more than one wave of resident blocks
 # (2.7b: 4 x 80 x 2 slices = 640 blocks, 528 resident at four a SM on an H200) walks in two
-# rounds, the second a fifth full, each as long as the first. A whole state 128 wide per block,
-# read 32 positions a K step, halves the blocks and compiles to 80 registers and 21 KB of shared
-# memory (sm_90), so three fit a SM and the grid runs in one wave. Measured on 2.7b at chunk 64
-# (results/h200/screening/stop23/wide-state-2.7b.json): stage 2 0.71x the 64-wide slices' time,
-# the forward 0.86x the shipped forward at chunk 128. At chunk 128 the same slices are slower
-# (stage 2 1.33x), and on shapes whose grid fits one wave already they halve the parallelism
-# (codestral-7b, 130m: stage 2 1.13-1.22x at chunk 64), so the rule takes them only where the
-# default needs a second wave and they fit in one.
-ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3)
+# rounds, the second a fifth full, each as long as the first. A whole state (up to 128 wide) per
+# block, transposed, read 32 positions a K step, halves the blocks; on sm_90 its walk over full
+# chunks compiles to 80 registers and about 52 KB of shared memory without spilling, so three
+# fit a SM (tests/test_aot.py checks it) and the grid runs in one wave. Measured on 2.7b at
+# chunk 64 (results/h200/screening/stop23/wide-state-2.7b.json): stage 2 0.71x the 64-wide
+# slices' time, the forward 0.86x the shipped forward at chunk 128. At chunk 128 the same slices
+# are slower (stage 2 1.33x), and on shapes whose grid fits one wave already they halve the
+# parallelism (codestral-7b, 130m: stage 2 1.13-1.22x at chunk 64), so the rule takes them only
+# where the default needs a second wave and they fit in one, at chunk 64, for a state of at most
+# 128 (one slice), on the measured architecture (sm_90), and only where the default states its
+# resident blocks (an occupancy hint). Not screened: a sequence whose last chunk is partial (its
+# walk takes a counted loop instead of the unrolled one; the GPU tests cover it).
+ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3, transposed=True)
 ONE_WAVE_CHUNK = 64
 
 # chunk_scan over a state of at most SMALL_STATE: one head per block, and each persistent tile a
@@ -224,8 +228,8 @@ def default_config(capability: tuple[int, int] | None = None,
     or the sm_90 default when there is none). Given the ``problem``'s (batch, heads, headdim,
     dstate) and the GPU's ``sms``, a problem whose fused stage 2 would have fewer than
     ``MIN_STAGE2_BLOCKS_PER_SM`` blocks per SM (few sequences, few heads) gets narrower state
-    slices; at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more than
-    one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
+    slices; on sm_90 at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more
+    than one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
     one head: the Performance chapter measures all three on the model shapes."""
     if capability is None:
@@ -242,7 +246,9 @@ def default_config(capability: tuple[int, int] | None = None,
         one_wave = replace(config.state, **ONE_WAVE_STATE)
         if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms:
             config = replace(config, state=replace(config.state, **NARROW_STATE))
-        elif (sms and chunk_size == ONE_WAVE_CHUNK and blocks > (config.state.occupancy or 1) * sms
+        elif (sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
+              and config.state.occupancy and n <= one_wave.block_n
+              and blocks > config.state.occupancy * sms
               and b * h * one_wave.slices(p, n)[2] <= one_wave.occupancy * sms):
             config = replace(config, state=one_wave)
         if n <= SMALL_STATE:

@@ -72,31 +72,37 @@ def test_whole_chunk_tile_does_not_spill_where_it_ships():
     assert whole["stack_bytes"] == 0 and whole["registers"] == per_row["registers"]
 
 
-def one_wave_walk():
+def one_wave_walk(seqlen=2 * 64):
     """The fused stage-2 walk the default takes on a 2.7b-pattern problem at chunk 64
-    (ONE_WAVE_STATE), captured at the 2.7b dims' array properties."""
+    (ONE_WAVE_STATE), captured at the 2.7b dims' array properties; a ``seqlen`` not a multiple
+    of 64 gives the walk of a partial last chunk (a counted loop instead of the unrolled one)."""
     from ssd.config import ONE_WAVE_STATE, default_config
 
     b, h, p, n = 4, 80, 64, 128
     config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64)
     assert config.state == replace(config.state, **ONE_WAVE_STATE)
     records = aot.capture_forward("bfloat16", "layer", True, chunk_size=64, config=config,
-                                  dims=(b, 2 * 64, h, p, n, 1))
+                                  dims=(b, seqlen, h, p, n, 1))
     (walk,) = [r for r in records if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
     return walk
 
 
+@pytest.mark.parametrize("seqlen", [128, 100])
 @pytest.mark.parametrize("arch", aot.ARCHS)
-def test_one_wave_stage2_compiles(arch):
-    assert len(aot.export_cubin(one_wave_walk(), arch)) > 1000
+def test_one_wave_stage2_compiles(arch, seqlen):
+    assert len(aot.export_cubin(one_wave_walk(seqlen), arch)) > 1000
 
 
 def test_one_wave_stage2_fits_three_blocks_a_sm():
-    """The premise of ONE_WAVE_STATE (ssd/config.py): on sm_90 three blocks fit a SM (256
-    threads of at most 85 registers, at most a third of 228 KB of shared memory) and the walk
-    spills nothing, so 2.7b's 320 blocks are one wave on 132 SMs."""
+    """The premise of ONE_WAVE_STATE (ssd/config.py): on sm_90 three blocks of its walk over full
+    chunks (the unrolled one, which 2.7b takes) fit a SM and the walk spills nothing, so 2.7b's
+    320 blocks are one wave on 132 SMs. A block is 256 threads (a producer and a consumer
+    warpgroup: the warp-specialised walk, as Nsight Compute read it in stop 12), registers are
+    allocated 8 a thread at a time from 64 K a SM, and a SM has 228 KB of shared memory with 1 KB
+    reserved a block."""
     use = aot.resource_usage(aot.export_cubin(one_wave_walk(), "sm_90"))
-    assert use["registers"] * 256 * 3 <= 65536 and 3 * use["shared_bytes"] <= 228 * 1024
+    registers = -(-use["registers"] // 8) * 8
+    assert registers * 256 * 3 <= 64 * 1024 and 3 * (use["shared_bytes"] + 1024) <= 228 * 1024
     assert use["stack_bytes"] == 0
 
 

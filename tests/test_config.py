@@ -123,23 +123,68 @@ def test_default_narrows_stage2_slices_where_the_fused_walk_has_few_blocks(b, h,
 @pytest.mark.parametrize("b,h,q,one_wave", [
     (4, 80, 64, True),     # 2.7b: 640 blocks of 64-wide slices > 528 resident; 320 whole <= 396
     (4, 80, 128, False),   # the same problem at chunk 128, where whole states are slower
+    (4, 80, None, False),  # no chunk size given: the default as before the rule
     (2, 128, 64, False),   # codestral-7b: 512 blocks fit one wave already
     (8, 24, 64, False),    # 130m: 384
     (8, 80, 64, False),    # 1280 blocks; 640 whole states would need two waves too
     (1, 80, 64, False),    # long-16k: the narrow slices (160 blocks < 2 a SM)
+    (1, 264, 64, False),   # the edges on 132 SMs: 528 sliced blocks fit at four a SM ...
+    (1, 265, 64, True),    # ... 530 do not, and 265 whole states fit at three
+    (2, 198, 64, True),    # 396 whole states fit at three a SM ...
+    (1, 397, 64, False),   # ... 397 do not
 ])
 def test_default_takes_whole_states_where_they_make_stage2_one_wave(b, h, q, one_wave):
-    """On 132 SMs at four resident blocks a SM (528) for the 64-wide slices and three (396) for
-    ONE_WAVE_STATE's, at chunk size 64 only."""
+    """On 132 SMs, at chunk size 64 only: the default's stage-2 occupancy (four resident blocks a
+    SM) for its 64-wide slices, ONE_WAVE_STATE's (three) for whole states."""
     from ssd.config import ONE_WAVE_STATE
 
     base = default_config((9, 0))
     cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q)
-    assert (cfg.state == replace(base.state, **ONE_WAVE_STATE)) is one_wave
+    whole = replace(base.state, **ONE_WAVE_STATE)
+    assert (cfg.state == whole) is one_wave
     assert cfg.scan == base.scan
-    if one_wave:
-        whole, sliced = (b * h * c.state.slices(64, 128)[2] for c in (cfg, base))
-        assert whole <= 3 * 132 and sliced > 4 * 132
+    sliced_blocks, whole_blocks = (b * h * st.slices(64, 128)[2] for st in (base.state, whole))
+    fits = lambda blocks, st: blocks <= st.occupancy * 132  # noqa: E731
+    assert one_wave is (q == 64 and not fits(sliced_blocks, base.state) and fits(whole_blocks, whole)
+                        and sliced_blocks >= 2 * 132)
+
+
+def test_whole_states_only_where_measured(monkeypatch):
+    """Not on another architecture than sm_90, not without an occupancy hint (the resident blocks
+    unknown), not for a state wider than one whole-state slice."""
+    from ssd.config import ONE_WAVE_STATE
+
+    two_seven_b = dict(problem=(4, 80, 64, 128), sms=132, chunk_size=64)
+    whole = replace(default_config((9, 0)).state, **ONE_WAVE_STATE)
+    assert default_config((9, 0), **two_seven_b).state == whole
+    assert default_config((8, 0), **two_seven_b).state != whole
+    assert default_config((10, 0), **two_seven_b).state != whole
+    wide = default_config((9, 0), problem=(4, 40, 64, 256), sms=132, chunk_size=64)
+    assert wide.state == default_config((9, 0)).state   # 640 blocks at state 256, but no whole state
+    # a default without an occupancy hint: the rule stays out
+    import ssd.config as cfgmod
+
+    hintless = replace(cfgmod._DEFAULTS[9], state=replace(cfgmod._DEFAULTS[9].state, occupancy=None))
+    monkeypatch.setitem(cfgmod._DEFAULTS, 9, hintless)
+    assert default_config((9, 0), **two_seven_b).state == hintless.state
+
+
+def test_resolve_config_passes_the_chunk_size(monkeypatch):
+    """The API resolves the default at the caller's chunk size: the one-wave rule reaches it."""
+    import torch
+
+    from ssd import api
+    from ssd.config import ONE_WAVE_STATE
+
+    class H200:
+        major, minor, multi_processor_count = 9, 0, 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: H200)
+    x = torch.empty(4, 128, 80, 64, device="meta")
+    B = torch.empty(4, 128, 1, 128, device="meta")
+    at64, at128 = (api.resolve_config(None, q, x, B).state for q in (64, 128))
+    assert at64.block_n == ONE_WAVE_STATE["block_n"] and at64.block_k == ONE_WAVE_STATE["block_k"]
+    assert at128.block_n == default_config((9, 0)).state.block_n
 
 
 def test_persistent_chunk_scan_launches_one_axis_of_blocks():

@@ -10,6 +10,7 @@ Error metric: relative Frobenius error ‖out − ref‖ / ‖ref‖ per stage o
 The inputs, the reference, the NaN-poisoned buffers, the error metric and the tolerances per
 dtype (with why) live in ``ssd.validate``, shared with the GPU chapters.
 """
+import dataclasses
 import math
 import os
 import zlib
@@ -19,8 +20,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd.config import (NARROW_STATE, ONE_WAVE_STATE, SMALL_STATE_SCAN, ScanConfig,  # noqa: E402
-                        SSDConfig, StateConfig)
+from ssd.config import (MEASURED_ARCHS, NARROW_STATE, ONE_WAVE_STATE,  # noqa: E402
+                        SMALL_STATE_SCAN, ScanConfig, SSDConfig, StateConfig)
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
                           rel_err, run_stages)
@@ -101,6 +102,27 @@ def test_model_like_chunk_sizes(chunk_size, gpu_record):
     for config in [c for c in CONFIGS if c is not SPLIT]:
         check_stages(spec, "bfloat16", config, gpu_record, f"model-like/q{chunk_size}",
                      seed_for(spec.name))
+
+
+def test_one_wave_stage2_where_the_default_takes_it(gpu_record):
+    """The whole-state stage 2 (ONE_WAVE_STATE) as the default takes it: chunk 64, state 128, full
+    chunks (the unrolled walk 2.7b runs), on a problem whose 64-wide slices need more blocks than
+    fit at once on this GPU and whose whole states fit in one wave: three sequences of as many
+    heads as the GPU has SMs."""
+    from ssd.api import resolve_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    spec = ProblemSpec(3, 256, sms, 64, 128, 1, chunk_size=64, D="h", dt_bias=True,
+                       dt_softplus=True, initial_states=True, name="one-wave")
+    x = torch.empty(spec.dims[:4], device="cuda", dtype=torch.bfloat16)
+    B = torch.empty(3, 256, 1, 128, device="cuda", dtype=torch.bfloat16)
+    config = resolve_config(None, spec.chunk_size, x, B)
+    if torch.cuda.get_device_capability()[0] in MEASURED_ARCHS:   # the rule is sm_90's
+        assert (config.state.block_n, config.state.block_k, config.state.occupancy) == \
+            tuple(ONE_WAVE_STATE[k] for k in ("block_n", "block_k", "occupancy"))
+    else:  # the same kernel, taken by hand
+        config = dataclasses.replace(config, state=dataclasses.replace(config.state, **ONE_WAVE_STATE))
+    check_stages(spec, "bfloat16", config, gpu_record, "one-wave", seed_for(spec.name))
 
 
 def _api_call(spec, inputs, **kw):
