@@ -585,11 +585,11 @@ def config_space(dims=None, sms: int | None = None):
     picks for that shape (:func:`shape_default`; it differs where stage 2 would have few
     blocks), so that the study times what ships. The factors: the chunk size (given ``dims``,
     what the API picks at each); stage 2 (fused or split, entering-state dtype, the state
-    slice ``block_n``, its layout, the narrow slices of few-block problems, the occupancy hint); chunk_scan (heads per block, occupancy hint,
-    persistent or one block per tile, whole-chunk tiles of one or two heads, tile shape);
-    for each stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8
-    worker warps instead of the compiler's 4). Choices interact, so this is not a grid: it
-    shows what each knob is worth at the default.
+    slice ``block_n``, its layout, the narrow slices of few-block problems, the occupancy
+    hint); chunk_scan (heads per block, occupancy hint, persistent or one block per tile,
+    whole-chunk tiles of one or two heads, tile shape); for each stage the other compiler hints
+    (a low DRAM-latency hint on its streamed loads, 8 worker warps instead of the compiler's 4).
+    Choices interact, so this is not a grid: it shows what each knob is worth at the default.
     """
 
     d = default_config((9, 0))
