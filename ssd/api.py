@@ -115,8 +115,8 @@ def chunk_seq_last(seq_idx, chunk_size: int):
 def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig:
     """``config`` (None: the default for x's GPU, this problem's batch, heads and state and the
     chunk size, see :func:`ssd.config.default_config`) fitted to the problem: tiles clamped to
-    the chunk, head and state sizes, the head block to the heads per group, and the entering states' dtype
-    resolved against x's (see :meth:`SSDConfig.for_problem`).
+    the chunk, head and state sizes, the head block to the heads per group, and the entering
+    states' dtype resolved against x's (see :meth:`SSDConfig.for_problem`).
 
     Args: x (b, l, h, p), B (b, l, g, n)."""
     if config is None:
