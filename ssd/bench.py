@@ -595,9 +595,9 @@ def config_space(dims=None, sms: int | None = None):
     d = default_config((9, 0))
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
     sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
-    space = [("default", OUR_CHUNK, d if dims is None else shape_default(dims, sms))]
-    space += [("chunk size", q, d if dims is None else shape_default(dims, sms, chunk_size=q))
-              for q in (64, 128, 256) if q != OUR_CHUNK]
+    shipped = lambda q: d if dims is None else shape_default(dims, sms, chunk_size=q)  # noqa: E731
+    space = [("default", OUR_CHUNK, shipped(OUR_CHUNK))]
+    space += [("chunk size", q, shipped(q)) for q in SUITE_CHUNKS if q != OUR_CHUNK]
     space += [("stage 2 split", OUR_CHUNK, st(fused=False))]
     space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
     space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 32, 64, 128)
