@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from ssd import bench, nbutil
-from ssd.config import default_config
+from ssd.config import ONE_WAVE_CHUNK, ONE_WAVE_STATE, default_config
 from ssd.env import gpu_slug
 
 
@@ -62,13 +62,26 @@ def test_suites_have_the_issue_shapes():
     assert all(s.b * s.l == 65536 for s in bench.SUITES["seqlen"])
 
 
-def test_config_space_varies_one_factor_at_a_time_around_the_default():
-    space = bench.config_space()
+@pytest.mark.parametrize("dims, shipped", [
+    (None, lambda: default_config((9, 0))),
+    # 2.7b on 132 SMs: at chunk 64 the API ships whole states in one wave (ONE_WAVE_STATE), so
+    # the study's factors change one thing of that, not of the generic default
+    ((4, 4096, 80, 64, 128, 1), lambda: replace(default_config((9, 0)), state=replace(
+        default_config((9, 0)).state, **ONE_WAVE_STATE))),
+])
+def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, shipped):
+    assert bench.OUR_CHUNK == ONE_WAVE_CHUNK  # the second case's premise
+    space = bench.config_space(dims, 132)
     labels = [bench.config_label(q, c) for _, q, c in space]
     assert len(labels) == len(set(labels))
     factor, q0, d = space[0]
-    assert (factor, q0, d) == ("default", bench.OUR_CHUNK, default_config((9, 0)))
+    assert (factor, q0, d) == ("default", bench.OUR_CHUNK, shipped())
     for factor, q, cfg in space[1:]:
+        assert cfg.scan.block_m <= q, factor  # no tile a chunk would clamp back
+        if factor == "chunk size":  # what ships at that chunk size (64: whole states on 2.7b)
+            assert q != q0 and cfg == (bench.shape_default(dims, 132, chunk_size=q) if dims
+                                       else d), labels
+            continue
         changed = [f for f in ("state", "scan") if getattr(cfg, f) != getattr(d, f)]
         assert len(changed) + (q != q0) == 1, (factor, labels)
 
