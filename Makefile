@@ -63,8 +63,9 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # stacks, the quick grid) are the ones the recorded results/h200 files were made with, so a run
 # here is comparable with them line for line (python -m ssd.endtoend without options sweeps the
 # full grid at the published depths). The layer calls our SSD at 128, the chunk size of the
-# layout study's default point (ssd.bench.OUR_CHUNK; the suites time ours, like mamba_ssm, at 64,
-# 128 and 256 and count its fastest), and mamba_ssm's at the layer's 256.
+# recorded layer run (results/h200/endtoend.json; the layout study's default point,
+# ssd.bench.OUR_CHUNK, moved to 64 at ba74628, after that run; the suites time ours, like
+# mamba_ssm, at 64, 128 and 256 and count its fastest), and mamba_ssm's at the layer's 256.
 GPU_PYTHON ?= python3
 gpu: gpu-check gpu-bench gpu-study gpu-results
 gpu-check:

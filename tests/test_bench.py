@@ -408,20 +408,25 @@ def test_tilegym_replay_source_reads_a_recorded_tuning_run(tmp_path):
 
 
 def test_study_default_is_what_the_api_picks_per_shape():
-    """config_space(dims, sms) starts with the shape's API default: the narrow stage 2 for one
-    sequence of 80 heads on 132 SMs (long-16k), the sm_90 default for four (2.7b); its chunk-size
-    points are what the API ships at those chunk sizes (2.7b at 64: whole states, one wave), and
-    the other points stay one change from the sm_90 default either way."""
+    """config_space(dims, sms) starts with the shape's API default at OUR_CHUNK (64): the narrow
+    stage 2 for one sequence of 80 heads on 132 SMs (long-16k), whole states in one wave for four
+    (2.7b); its chunk-size points are what the API ships at those chunk sizes (the sm_90 default
+    at 128 and 256 on 2.7b), and its other points vary one thing of the shape's default."""
     from ssd.config import NARROW_STATE, ONE_WAVE_STATE
 
     base = default_config((9, 0))
     long16k, b27 = (1, 16384, 80, 64, 128, 1), (4, 4096, 80, 64, 128, 1)
-    assert bench.config_space(b27, 132)[0][2] == base == bench.shape_default(b27, 132)
+    one_wave = replace(base, state=replace(base.state, **ONE_WAVE_STATE))
+    space27 = bench.config_space(b27, 132)
+    assert space27[0][2] == one_wave == bench.shape_default(b27, 132)
     narrow = bench.config_space(long16k, 132)
     assert narrow[0][2].state == replace(base.state, **NARROW_STATE) != base.state
     chunks = lambda space: {q: c for f, q, c in space if f == "chunk size"}  # noqa: E731
-    assert chunks(narrow) == {64: narrow[0][2], 256: narrow[0][2]}
-    assert chunks(bench.config_space(b27, 132)) == {
-        64: replace(base, state=replace(base.state, **ONE_WAVE_STATE)), 256: base}
-    assert [p for p in narrow if p[0] != "chunk size"][1:] == \
-        [p for p in bench.config_space() if p[0] != "chunk size"][1:]
+    assert chunks(narrow) == {128: narrow[0][2], 256: narrow[0][2]}
+    assert chunks(space27) == {128: base, 256: base}
+    # the same factors on every shape, each point that factor's change of the shape's default
+    factors = lambda space: [f for f, _, _ in space if f != "chunk size"]  # noqa: E731
+    assert factors(narrow) == factors(bench.config_space())
+    occ27 = {c.state.occupancy for f, _, c in space27 if f == "state occupancy"}
+    assert occ27 == {None, 1, 2, 8} and all(c.state.block_k == ONE_WAVE_STATE["block_k"]
+                                            for f, _, c in space27 if f == "state occupancy")
