@@ -214,9 +214,10 @@ ONE_WAVE_CHUNK = 64
 # chunk_scan over a state of at most SMALL_STATE: one head per block, and each persistent tile a
 # whole chunk (ScanConfig.whole_chunk). The whole-chunk tile unrolls its row blocks; on sm_90
 # this smallest tile keeps the default's registers without spilling (tests/test_aot.py checks
-# it), where at state 128 one head a tile takes more registers and two heads spill more
-# (results/compile/sm_90_resources.json), and the Performance chapter measures it faster only
-# at state 64.
+# it), where at state 128 and chunk 128 one head a tile takes more registers and two heads spill
+# more (results/compile/previous/sm_90_resources-85292b3.json), and the Performance chapters
+# measure it faster only at state 64 (at state 128 it was slower at chunk 128 and at 64, where
+# the whole-chunk tile is the default's one row block in a static loop).
 SMALL_STATE = 64
 SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True)
 
