@@ -85,7 +85,7 @@ SUITE_CHUNKS = (64, 128, 256)
 STUDY_SHAPES = ("130m", "2.7b", "codestral-7b")
 # The chunk size of the tiling study's default point (chapter 09 times 128 and 256 beside it) and
 # of the first-call suite: the fastest of SUITE_CHUNKS for ours on four of the five models shapes
-# (small-state is 4 % faster at 128), so the default point is where the models suite runs ours.
+# in the models run (small-state is 4 % faster at 128).
 OUR_CHUNK = 64
 
 
@@ -592,6 +592,10 @@ def config_space(dims=None, sms: int | None = None):
     whole-chunk tiles of one or two heads, tile shape); for each stage the other compiler hints
     (a low DRAM-latency hint on its streamed loads, 8 worker warps instead of the compiler's 4).
     Choices interact, so this is not a grid: it shows what each knob is worth at the default.
+    A point is built by applying its factor's values to the shape's default, so where the
+    default already has them it repeats the default (long-16k's narrow slices), and where the
+    default differs elsewhere it carries that difference (on 2.7b every chunk-64 point has its
+    whole-state block_k and occupancy).
     """
 
     shipped = lambda q: default_config((9, 0)) if dims is None else \
@@ -616,6 +620,8 @@ def config_space(dims=None, sms: int | None = None):
     space += [("scan hints", OUR_CHUNK, sc(latency=2)), ("scan hints", OUR_CHUNK, sc(warps=8))]
     if not d.scan.whole_chunk:  # whole-chunk tiles need the persistent grid
         space += [("scan grid", OUR_CHUNK, sc(persistent=not d.scan.persistent))]
+    # whole-chunk tiles of one or two heads; for a default that has them (small states), the
+    # rows of two heads instead
     space += [("scan whole chunk", OUR_CHUNK, sc(whole_chunk=wc, block_h=v))
               for wc, v in ((True, 1), (True, 2), (False, 2))
               if (wc, v) != (d.scan.whole_chunk, d.scan.block_h) and (wc or d.scan.whole_chunk)]

@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 
 from ssd import bench, nbutil
-from ssd.config import ONE_WAVE_CHUNK, ONE_WAVE_STATE, default_config
+from ssd.config import (NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE, SMALL_STATE_SCAN,
+                        default_config)
 from ssd.env import gpu_slug
 
 
@@ -62,29 +63,44 @@ def test_suites_have_the_issue_shapes():
     assert all(s.b * s.l == 65536 for s in bench.SUITES["seqlen"])
 
 
-@pytest.mark.parametrize("dims, shipped", [
-    (None, lambda: default_config((9, 0))),
-    # 2.7b on 132 SMs: at chunk 64 the API ships whole states in one wave (ONE_WAVE_STATE), so
-    # the study's factors change one thing of that, not of the generic default
-    ((4, 4096, 80, 64, 128, 1), lambda: replace(default_config((9, 0)), state=replace(
-        default_config((9, 0)).state, **ONE_WAVE_STATE))),
-])
-def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, shipped):
-    assert bench.OUR_CHUNK == ONE_WAVE_CHUNK  # the second case's premise
-    space = bench.config_space(dims, 132)
-    labels = [bench.config_label(q, c) for _, q, c in space]
-    assert len(labels) == len(set(labels))
-    factor, q0, d = space[0]
-    assert (factor, q0, d) == ("default", bench.OUR_CHUNK, shipped())
-    for factor, q, cfg in space[1:]:
-        assert cfg.scan.block_m <= q, factor  # no tile a chunk would clamp back
-        if factor == "chunk size":  # what ships at that chunk size (64: whole states on 2.7b)
-            assert q != q0 and cfg == (bench.shape_default(dims, 132, chunk_size=q) if dims
-                                       else d), labels
-            continue
-        changed = [f for f in ("state", "scan") if getattr(cfg, f) != getattr(d, f)]
-        assert len(changed) + (q != q0) == 1, (factor, labels)
+_BASE = default_config((9, 0))
+_NARROW = replace(_BASE, state=replace(_BASE.state, **NARROW_STATE))
+_SMALL = replace(_BASE, scan=replace(_BASE.scan, **SMALL_STATE_SCAN))
+_ONE_WAVE = replace(_BASE, state=replace(_BASE.state, **ONE_WAVE_STATE))
 
+
+@pytest.mark.parametrize("dims, at64, elsewhere", [
+    (None, _BASE, _BASE),
+    ((8, 2048, 24, 64, 128, 1), _BASE, _BASE),            # 130m
+    ((4, 4096, 80, 64, 128, 1), _ONE_WAVE, _BASE),        # 2.7b: whole states in one wave at 64
+    ((1, 16384, 80, 64, 128, 1), _NARROW, _NARROW),       # long-16k: few stage-2 blocks
+    ((2, 8192, 128, 64, 128, 8), _BASE, _BASE),           # codestral-7b
+    ((16, 1024, 32, 64, 64, 1), _SMALL, _SMALL),          # small-state: whole-chunk scan tiles
+])
+def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, at64, elsewhere):
+    """On 132 SMs: the first point is what the API ships for the shape at OUR_CHUNK, the chunk-size
+    points what it ships at 128 and 256, and every other point changes one stage of the default
+    at OUR_CHUNK; the one repeat of the default is long-16k's narrow slices (config_space says
+    why), and no scan tile exceeds a chunk (it would be clamped back)."""
+    assert bench.OUR_CHUNK == ONE_WAVE_CHUNK  # the 2.7b case's premise
+    space = bench.config_space(dims, 132)
+    factor, q0, d = space[0]
+    assert (factor, q0, d) == ("default", bench.OUR_CHUNK, at64)
+    assert dims is None or d == bench.shape_default(dims, 132)   # what the API picks there
+    assert {q: c for f, q, c in space if f == "chunk size"} == {128: elsewhere, 256: elsewhere}
+    repeats = []
+    for factor, q, cfg in space[1:]:
+        assert cfg.scan.block_m <= q, factor
+        if factor == "chunk size":
+            continue
+        assert q == q0, factor
+        changed = [f for f in ("state", "scan") if getattr(cfg, f) != getattr(d, f)]
+        if not changed:
+            repeats.append(factor)
+        assert len(changed) <= 1, factor
+    assert repeats == (["state narrow"] if at64 is _NARROW else [])
+    labels = [bench.config_label(q, c) for _, q, c in space]
+    assert len(set(labels)) == len(labels) - len(repeats)
 
 def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
@@ -405,28 +421,3 @@ def test_tilegym_replay_source_reads_a_recorded_tuning_run(tmp_path):
     (tmp_path / "2.7b.json").write_text(json.dumps(replayed))
     with pytest.raises(ValueError, match="no searched TileGym tuning"):  # never replay a replay
         bench.tilegym_replay_source(tmp_path, "2.7b")
-
-
-def test_study_default_is_what_the_api_picks_per_shape():
-    """config_space(dims, sms) starts with the shape's API default at OUR_CHUNK (64): the narrow
-    stage 2 for one sequence of 80 heads on 132 SMs (long-16k), whole states in one wave for four
-    (2.7b); its chunk-size points are what the API ships at those chunk sizes (the sm_90 default
-    at 128 and 256 on 2.7b), and its other points vary one thing of the shape's default."""
-    from ssd.config import NARROW_STATE, ONE_WAVE_STATE
-
-    base = default_config((9, 0))
-    long16k, b27 = (1, 16384, 80, 64, 128, 1), (4, 4096, 80, 64, 128, 1)
-    one_wave = replace(base, state=replace(base.state, **ONE_WAVE_STATE))
-    space27 = bench.config_space(b27, 132)
-    assert space27[0][2] == one_wave == bench.shape_default(b27, 132)
-    narrow = bench.config_space(long16k, 132)
-    assert narrow[0][2].state == replace(base.state, **NARROW_STATE) != base.state
-    chunks = lambda space: {q: c for f, q, c in space if f == "chunk size"}  # noqa: E731
-    assert chunks(narrow) == {128: narrow[0][2], 256: narrow[0][2]}
-    assert chunks(space27) == {128: base, 256: base}
-    # the same factors on every shape, each point that factor's change of the shape's default
-    factors = lambda space: [f for f, _, _ in space if f != "chunk size"]  # noqa: E731
-    assert factors(narrow) == factors(bench.config_space())
-    occ27 = {c.state.occupancy for f, _, c in space27 if f == "state occupancy"}
-    assert occ27 == {None, 1, 2, 8} and all(c.state.block_k == ONE_WAVE_STATE["block_k"]
-                                            for f, _, c in space27 if f == "state occupancy")
