@@ -10,9 +10,10 @@ use, so a kernel that stops compiling fails CI (``tests/test_aot.py``) long befo
 The same cubins say what the compiler made of each configuration: registers per thread, the
 per-thread stack (where registers spill) and shared memory, read with ``cuobjdump
 --dump-resource-usage``. :func:`resource_table` does that for every point of the tiling study
-(``python -m ssd.aot --resources`` records it, with each kernel's compile time on the CPU), so
-the layout chapter can set measured register budgets and spills beside the measured times, and
-the peers chapter can say what each configuration costs a first call.
+(:func:`resource_points`: the generic space and each study shape's own; ``python -m ssd.aot
+--resources`` records it, with each kernel's compile time on the CPU), so the layout chapter can
+set measured register budgets and spills beside the measured times, and the peers chapter can
+say what each configuration costs a first call.
 """
 from __future__ import annotations
 
@@ -174,15 +175,50 @@ def sass(cubin: bytes) -> str:
     return _dump(cubin, "-sass")
 
 
+def study_sms(gpu: str | None = None) -> int:
+    """The SM count of the GPU the layout study ran on, from its recording's environment
+    (``results/<gpu>/study.json``, default the book's GPU): the study's shapes vary their factors
+    around what the API ships for them on that GPU, which depends on the SM count."""
+    import json
+
+    from .nbutil import result_path
+
+    return json.loads(result_path("study", gpu).read_text())["environment"]["sm_count"]
+
+
+def resource_points(sms: int) -> list[tuple]:
+    """(space, factor, chunk size, SSDConfig) of every point ``--resources`` records: the generic
+    space (``space`` "generic", ``ssd.bench.config_space()``) first, then each study shape's own
+    space (``space`` its name; ``config_space(shape.dims, sms)``, the points the study times
+    around what the API ships for the shape on a GPU of ``sms`` SMs) without the points whose
+    ``config_label`` is already listed. The shape spaces differ from the generic one where the
+    shape ships another configuration (2.7b's one-wave stage 2 at chunk 64 on 132 SMs), and those
+    kernels are what the study timed there; listing the generic points first, each label once,
+    keeps every generic point's row where it was."""
+    from .bench import STUDY_SHAPES, SUITES, config_label, config_space
+
+    dims = {s.name: s.dims for s in SUITES["models"]}
+    spaces = [("generic", config_space()),
+              *((name, config_space(dims[name], sms)) for name in STUDY_SHAPES)]
+    points, seen = [], set()
+    for space, triples in spaces:
+        for factor, q, cfg in triples:
+            if config_label(q, cfg) not in seen:
+                seen.add(config_label(q, cfg))
+                points.append((space, factor, q, cfg))
+    return points
+
+
 def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:
     """Registers, stack, shared memory and compile time of the stage-2 and chunk_scan kernels
-    for every (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``),
-    compiled for ``arch`` with inputs of ``dtype`` and D, as the study runs them. The compiled
-    code depends on the compile-time constants and on how the launcher specialises the arrays
-    (which sizes are multiples of 16, which are 1: :func:`ssd._launch.array_constraint`), so
-    the capture shape has the 2.7b shape's pattern: batch not a multiple of 16, sequence, heads,
-    head dim and state multiples of 16, one group (130m's 24 heads and codestral-7b's 8 groups
-    differ from it in one array property each)."""
+    for every (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``), or
+    every (space name, factor, chunk size, SSDConfig) (:func:`resource_points`; each row then
+    names its space), compiled for ``arch`` with inputs of ``dtype`` and D, as the study runs
+    them. The compiled code depends on the compile-time constants and on how the launcher
+    specialises the arrays (which sizes are multiples of 16, which are 1:
+    :func:`ssd._launch.array_constraint`), so the capture shape has the 2.7b shape's pattern:
+    batch not a multiple of 16, sequence, heads, head dim and state multiples of 16, one group
+    (130m's 24 heads and codestral-7b's 8 groups differ from it in one array property each)."""
     from .bench import config_label
 
     # compile_s: the wall time of one compile on this machine's CPU, what a first call pays for
@@ -191,7 +227,9 @@ def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> lis
     # is imported) there is no compile time to record.
     timed = os.environ.get("CUDA_TILE_CACHE_DIR") == "off"
     rows = []
-    for factor, q, cfg in space:
+    for point in space:
+        factor, q, cfg = point[-3:]
+        named = {"space": point[0]} if len(point) == 4 else {}   # a resource_points point
         records = capture_forward(dtype, "layer", cfg.state.fused, chunk_size=q, config=cfg,
                                   dims=(2, 2 * q, 16, 64, 128, 1))
         for record in records:
@@ -200,7 +238,7 @@ def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> lis
                 continue
             start = time.perf_counter()
             cubin = export_cubin(record, arch)
-            rows.append(dict(factor=factor, label=config_label(q, cfg), kernel=name,
+            rows.append(dict(**named, factor=factor, label=config_label(q, cfg), kernel=name,
                              compile_s=time.perf_counter() - start if timed else None,
                              **resource_usage(cubin)))
             progress(f"[aot] {rows[-1]}")
@@ -212,17 +250,22 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", action="append", choices=ARCHS, help="target (repeatable)")
     parser.add_argument("--dtype", action="append", choices=DTYPES, help="input dtype (repeatable)")
     parser.add_argument("--resources", action="store_true",
-                        help=f"record the kernels' resources over the tiling study's space to "
+                        help=f"record the kernels' resources over the tiling study's points "
+                             f"(the generic space and each study shape's own) to "
                              f"{RESOURCES.relative_to(RESOURCES.parents[2])} instead")
+    parser.add_argument("--sms", type=int,
+                        help="with --resources: the SM count the study shapes' spaces are built "
+                             "for (default: the sm_count of the layout study recording's "
+                             "environment)")
     parser.add_argument("--vary", action="append", metavar="STAGE.FIELD=V1,V2",
                         help="with --resources: print the resources of these points around the "
                              "default (as python -m ssd.bench --vary) instead of recording the "
                              "study's")
     args = parser.parse_args(argv)
-    if args.vary and not args.resources:
-        parser.error("--vary goes with --resources")
+    if (args.vary or args.sms) and not args.resources:
+        parser.error("--vary and --sms go with --resources")
     if args.resources:
-        from .bench import config_space, vary_space
+        from .bench import vary_space
         from .env import environment, write_json
 
         if args.vary:
@@ -233,8 +276,9 @@ def main(argv=None) -> int:
         if os.environ.get("CUDA_TILE_CACHE_DIR") != "off":  # compile for real, to time it
             return subprocess.call([sys.executable, "-m", "ssd.aot", *(argv or sys.argv[1:])],
                                    env={**os.environ, "CUDA_TILE_CACHE_DIR": "off"})
-        rows = resource_table(config_space())
-        path = write_json(RESOURCES, dict(arch="sm_90", dtype="bfloat16", rows=rows,
+        sms = args.sms or study_sms()
+        rows = resource_table(resource_points(sms))
+        path = write_json(RESOURCES, dict(arch="sm_90", dtype="bfloat16", study_sms=sms, rows=rows,
                                           environment=environment()))
         print(f"[aot] {len(rows)} kernels' resources written to {path}")
         return 0

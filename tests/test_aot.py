@@ -149,10 +149,32 @@ def test_resource_line_is_parsed():
         aot.parse_resource_usage("no resources here")
 
 
+def test_resource_points_are_the_study_spaces():
+    """The points --resources records: the generic space as it is, then every point of each
+    study shape's own space at the given SM count whose label the list does not hold yet, so a
+    label names one row of the recording and every point the study timed has its kernels."""
+    from ssd import bench
+
+    points = aot.resource_points(132)
+    generic = bench.config_space()
+    assert [p[1:] for p in points[:len(generic)]] == generic and \
+        {p[0] for p in points[:len(generic)]} == {"generic"}
+    labels = [bench.config_label(q, c) for _, _, q, c in points]
+    assert len(labels) == len(set(labels))
+    dims = {s.name: s.dims for s in bench.SUITES["models"]}
+    for name in bench.STUDY_SHAPES:
+        own = bench.config_space(dims[name], 132)
+        assert {bench.config_label(q, c) for _, q, c in own} <= set(labels)
+        assert all(p[1:] in own for p in points if p[0] == name)
+    # On 132 SMs 2.7b ships the one-wave stage 2 at chunk 64, which the generic space lacks.
+    assert {p[0] for p in points} == {"generic", "2.7b"}
+
+
 def test_recorded_resources_are_what_this_compiler_makes():
-    """results/compile/sm_90_resources.json (read by the layout chapter) against a fresh
-    compile of its first and most-spilling points. Different tileiras: re-record it with
-    ``python -m ssd.aot --resources``."""
+    """results/compile/sm_90_resources.json (read by the layout and peers chapters) holds the rows
+    of :func:`ssd.aot.resource_points` at its recorded SM count, and matches a fresh compile of its
+    first point, its most-spilling point and the first point of a study shape's own space (2.7b's
+    one-wave default). Different tileiras: re-record it with ``python -m ssd.aot --resources``."""
     import json
 
     from ssd import bench, doctor
@@ -160,12 +182,18 @@ def test_recorded_resources_are_what_this_compiler_makes():
     recorded = json.loads(aot.RESOURCES.read_text())
     if recorded["environment"]["tileiras"] != doctor.locate_toolchain().tileiras.version:
         pytest.skip("recorded with another tileiras; re-record with python -m ssd.aot --resources")
-    space = bench.config_space()
+    points = aot.resource_points(recorded["study_sms"])
+    label = lambda p: bench.config_label(p[2], p[3])  # noqa: E731
+    assert [(r["space"], r["label"]) for r in recorded["rows"]
+            if r["kernel"] != "chunk_state_kernel"] == \
+        [(p[0], label(p)) for p in points for _ in range(2)]   # stage 2's scan and chunk_scan
     worst = max(recorded["rows"], key=lambda r: r["stack_bytes"])
-    points = [space[0], next(p for p in space if bench.config_label(p[1], p[2]) == worst["label"])]
+    picked = [points[i] for i in sorted({
+        0, next(i for i, p in enumerate(points) if label(p) == worst["label"]),
+        next(i for i, p in enumerate(points) if p[0] != "generic")})]   # in the recording's order
     untimed = lambda rows: [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]  # noqa: E731
-    fresh = aot.resource_table(points, progress=lambda line: None)
-    want = [r for r in recorded["rows"] if r["label"] in {bench.config_label(q, c) for _, q, c in points}]
+    fresh = aot.resource_table(picked, progress=lambda line: None)
+    want = [r for r in recorded["rows"] if r["label"] in {label(p) for p in picked}]
     assert untimed(fresh) == untimed(want)
     assert all(r["compile_s"] > 0 for r in recorded["rows"])   # recorded with the cache off
 
