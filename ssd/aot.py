@@ -209,13 +209,12 @@ def resource_points(sms: int) -> list[tuple]:
     return points
 
 
-def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:
+def resource_table(points, arch="sm_90", dtype="bfloat16", progress=print) -> list[dict]:
     """Registers, stack, shared memory and compile time of the stage-2 and chunk_scan kernels
-    for every (factor, chunk size, SSDConfig) of ``space`` (``ssd.bench.config_space()``), or
-    every (space name, factor, chunk size, SSDConfig) (:func:`resource_points`; each row then
-    names its space), compiled for ``arch`` with inputs of ``dtype`` and D, as the study runs
-    them. The compiled code depends on the compile-time constants and on how the launcher
-    specialises the arrays (which sizes are multiples of 16, which are 1:
+    for every (space name, factor, chunk size, SSDConfig) of ``points`` (:func:`resource_points`;
+    each row names its space), compiled for ``arch`` with inputs of ``dtype`` and D, as the
+    study runs them. The compiled code depends on the compile-time constants and on how the
+    launcher specialises the arrays (which sizes are multiples of 16, which are 1:
     :func:`ssd._launch.array_constraint`), so the capture shape has the 2.7b shape's pattern:
     batch not a multiple of 16, sequence, heads, head dim and state multiples of 16, one group
     (130m's 24 heads and codestral-7b's 8 groups differ from it in one array property each)."""
@@ -227,9 +226,7 @@ def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> lis
     # is imported) there is no compile time to record.
     timed = os.environ.get("CUDA_TILE_CACHE_DIR") == "off"
     rows = []
-    for point in space:
-        factor, q, cfg = point[-3:]
-        named = {"space": point[0]} if len(point) == 4 else {}   # a resource_points point
+    for space, factor, q, cfg in points:
         records = capture_forward(dtype, "layer", cfg.state.fused, chunk_size=q, config=cfg,
                                   dims=(2, 2 * q, 16, 64, 128, 1))
         for record in records:
@@ -238,7 +235,7 @@ def resource_table(space, arch="sm_90", dtype="bfloat16", progress=print) -> lis
                 continue
             start = time.perf_counter()
             cubin = export_cubin(record, arch)
-            rows.append(dict(**named, factor=factor, label=config_label(q, cfg), kernel=name,
+            rows.append(dict(space=space, factor=factor, label=config_label(q, cfg), kernel=name,
                              compile_s=time.perf_counter() - start if timed else None,
                              **resource_usage(cubin)))
             progress(f"[aot] {rows[-1]}")
@@ -269,7 +266,8 @@ def main(argv=None) -> int:
         from .env import environment, write_json
 
         if args.vary:
-            for row in resource_table(vary_space(args.vary), progress=lambda line: None):
+            points = [("vary", *point) for point in vary_space(args.vary)]
+            for row in resource_table(points, progress=lambda line: None):
                 print(f"{row['label']:52s} {row['kernel']:22s} reg {row['registers']:3d} "
                       f"stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B")
             return 0
