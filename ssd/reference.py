@@ -21,7 +21,7 @@ l      seqlen       time steps (the paper's T)
 h      nheads       heads; each has its own scalar decay A_h (the paper's "A = a*I")
 p      headdim      channels per head (the paper's P); x_t is a p-vector per head
 n      dstate       state size (the paper's N); B_t and C_t are n-vectors
-g      ngroups      B and C are shared by h/g consecutive heads (like GQA)
+g      ngroups      B and C are shared by h/g consecutive heads (grouped-value attention)
 c      nchunks      ceil(l / q)
 q      chunk_size   the block size of the chunked algorithm (the paper's Q)
 =====  ===========  =================================================================
