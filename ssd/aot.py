@@ -59,7 +59,8 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
 
     features: "none" (x, dt, A, B, C only), "layer" (plus D, dt_bias and softplus, as a Mamba-2
     layer and the benchmark call it) or "all" (every optional input). The configuration is the
-    sm_90 default with ``fused`` overriding its stage 2, or ``config`` when given. ``dims``
+    sm_90 default at ``chunk_size`` with ``fused`` overriding its stage 2, or ``config`` when
+    given. ``dims``
     (b, l, h, p, n, g) replaces the small default shape (a ragged last chunk, two groups).
     """
     import torch
@@ -83,7 +84,7 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
                      initial_states=torch.randn(b, h, p, n),
                      seq_idx=torch.zeros(b, l, dtype=torch.int32), dt_limit=(0.001, 0.1))
     if config is None:
-        base = default_config((9, 0))
+        base = default_config((9, 0), chunk_size=chunk_size)
         config = SSDConfig(cumsum=base.cumsum, scan=base.scan,
                            state=StateConfig(**{**base.state.__dict__, "fused": fused}))
     with _launch.capture() as records:

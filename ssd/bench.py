@@ -598,7 +598,7 @@ def config_space(dims=None, sms: int | None = None):
     whole-state block_k and occupancy).
     """
 
-    shipped = lambda q: default_config((9, 0)) if dims is None else \
+    shipped = lambda q: default_config((9, 0), chunk_size=q) if dims is None else \
         shape_default(dims, sms, chunk_size=q)  # noqa: E731
     d = shipped(OUR_CHUNK)
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
@@ -650,7 +650,7 @@ def vary_space(specs, base: SSDConfig | None = None):
     such as ``"state.block_k=16,32"`` (one point per value), ``"q=128"`` (the chunk size) or
     ``"scan.block_m=32+scan.block_s=32"`` (one point changing several fields together): the
     default first, then the points, as ``config_space()`` returns them."""
-    base = base or default_config((9, 0))
+    base = base or default_config((9, 0), chunk_size=OUR_CHUNK)
     space = [("default", OUR_CHUNK, base)]
     for spec in specs:
         parts = spec.split("+")

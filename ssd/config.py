@@ -211,6 +211,17 @@ NARROW_STATE = dict(block_n=32, transposed=False)
 ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3, transposed=True)
 ONE_WAVE_CHUNK = 64
 
+# chunk_scan at chunk size 64: an occupancy hint of 2 instead of the default's 3. On sm_90 the
+# hint of 3 compiles chunk_scan at 64 to 80 registers and a 72-byte spill, the hint of 2 to 128
+# registers without one (results/compile/sm_90_resources.json), and the layout study at chunk 64
+# timed the forward 1.017-1.019x faster with it on 130m, 2.7b and codestral-7b (results/h200/
+# study.json at ba74628; every study shape). At chunk 128 the same hint is the slower one (the
+# study of b1acfe0: 0.9x), so the rule takes it at 64 only, on the measured architecture, where
+# the default states an occupancy, and not for the whole-chunk tiles of small states (not timed
+# at 64; small-state runs fastest at 128).
+CHUNK64_SCAN = dict(occupancy=2)
+CHUNK64 = 64
+
 # chunk_scan over a state of at most SMALL_STATE: one head per block, and each persistent tile a
 # whole chunk (ScanConfig.whole_chunk). The whole-chunk tile unrolls its row blocks; on sm_90
 # this smallest tile keeps the default's registers without spilling (tests/test_aot.py checks
@@ -232,7 +243,8 @@ def default_config(capability: tuple[int, int] | None = None,
     slices; on sm_90 at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more
     than one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
-    one head: the Performance chapter measures all three on the model shapes."""
+    one head; on sm_90 at ``chunk_size`` ``CHUNK64``, chunk_scan's other tiles get the occupancy
+    hint of ``CHUNK64_SCAN``: the Performance chapter measures them on the model shapes."""
     if capability is None:
         try:
             import torch
@@ -254,4 +266,7 @@ def default_config(capability: tuple[int, int] | None = None,
             config = replace(config, state=one_wave)
         if n <= SMALL_STATE:
             config = replace(config, scan=replace(config.scan, **SMALL_STATE_SCAN))
+    if (chunk_size == CHUNK64 and capability[0] in MEASURED_ARCHS and config.scan.occupancy
+            and not config.scan.whole_chunk):
+        config = replace(config, scan=replace(config.scan, **CHUNK64_SCAN))
     return config

@@ -106,6 +106,33 @@ def test_one_wave_stage2_fits_three_blocks_a_sm():
     assert use["stack_bytes"] == 0
 
 
+def chunk64_scan():
+    """chunk_scan as the default takes it at chunk 64 (CHUNK64_SCAN's occupancy hint of 2) on a
+    2.7b-pattern problem, captured at its array properties."""
+    from ssd.config import CHUNK64, CHUNK64_SCAN, default_config
+
+    b, h, p, n = 4, 80, 64, 128
+    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=CHUNK64)
+    assert config.scan == replace(default_config((9, 0)).scan, **CHUNK64_SCAN)
+    records = aot.capture_forward("bfloat16", "layer", True, chunk_size=CHUNK64, config=config,
+                                  dims=(b, 2 * CHUNK64, h, p, n, 1))
+    (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
+    return scan
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_chunk64_scan_compiles(arch):
+    assert len(aot.export_cubin(chunk64_scan(), arch)) > 1000
+
+
+def test_chunk64_scan_does_not_spill():
+    """The premise of CHUNK64_SCAN (ssd/config.py): on sm_90, at chunk 64 and the hint of 2,
+    chunk_scan spills nothing (the shipped hint of 3 spills there) and keeps at most 128
+    registers a thread, two blocks of 256 threads to a SM's 64 K registers."""
+    use = aot.resource_usage(aot.export_cubin(chunk64_scan(), "sm_90"))
+    assert use["stack_bytes"] == 0 and -(-use["registers"] // 8) * 8 * 256 * 2 <= 64 * 1024
+
+
 @pytest.mark.parametrize("chunk_size", [64, 128])
 def test_stage2_walk_issues_no_consumer_async_copy(chunk_size):
     """The fused walk's per-chunk inputs reach it as TMA loads the producer warp issues ahead. A

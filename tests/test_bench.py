@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from ssd import bench, nbutil
-from ssd.config import (NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE, SMALL_STATE_SCAN,
-                        default_config)
+from ssd.config import (CHUNK64_SCAN, NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE,
+                        SMALL_STATE_SCAN, default_config)
 from ssd.env import gpu_slug
 
 
@@ -69,6 +69,11 @@ _SMALL = replace(_BASE, scan=replace(_BASE.scan, **SMALL_STATE_SCAN))
 _ONE_WAVE = replace(_BASE, state=replace(_BASE.state, **ONE_WAVE_STATE))
 
 
+def _at64(cfg):
+    """``cfg`` with chunk_scan's hint at chunk 64 (CHUNK64_SCAN), where its tiles take it."""
+    return cfg if cfg.scan.whole_chunk else replace(cfg, scan=replace(cfg.scan, **CHUNK64_SCAN))
+
+
 @pytest.mark.parametrize("dims, at64, elsewhere", [
     (None, _BASE, _BASE),
     ((8, 2048, 24, 64, 128, 1), _BASE, _BASE),            # 130m
@@ -85,7 +90,7 @@ def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, at64,
     assert bench.OUR_CHUNK == ONE_WAVE_CHUNK  # the 2.7b case's premise
     space = bench.config_space(dims, 132)
     factor, q0, d = space[0]
-    assert (factor, q0, d) == ("default", bench.OUR_CHUNK, at64)
+    assert (factor, q0, d) == ("default", bench.OUR_CHUNK, _at64(at64))
     assert dims is None or d == bench.shape_default(dims, 132)   # what the API picks there
     assert {q: c for f, q, c in space if f == "chunk size"} == {128: elsewhere, 256: elsewhere}
     repeats = []
@@ -230,12 +235,12 @@ def test_gate_passes_the_reference_and_fails_a_wrong_output():
 
 
 def test_vary_space_is_one_point_per_value_around_the_default():
-    space = bench.vary_space(["state.block_k=16,32", "scan.occupancy=None,2", "q=256",
+    space = bench.vary_space(["state.block_k=16,32", "scan.occupancy=None,3", "q=256",
                               "scan.block_m=32+scan.block_s=32"])
-    d = default_config((9, 0))
+    d = default_config((9, 0), chunk_size=bench.OUR_CHUNK)   # what ships at the default point
     assert space[0] == ("default", bench.OUR_CHUNK, d)
     assert [c.state.block_k for _, _, c in space[1:3]] == [16, 32]
-    assert [c.scan.occupancy for _, _, c in space[3:5]] == [None, 2]
+    assert [c.scan.occupancy for _, _, c in space[3:5]] == [None, 3]
     assert space[5] == ("q=256", 256, d)
     assert (space[6][2].scan.block_m, space[6][2].scan.block_s) == (32, 32) and len(space) == 7
     labels = [bench.config_label(q, c) for _, q, c in space]

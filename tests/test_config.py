@@ -142,7 +142,7 @@ def test_default_takes_whole_states_where_they_make_stage2_one_wave(b, h, q, one
     cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q)
     whole = replace(base.state, **ONE_WAVE_STATE)
     assert (cfg.state == whole) is one_wave
-    assert cfg.scan == base.scan
+    assert cfg.scan == default_config((9, 0), chunk_size=q).scan   # chunk_scan as at any problem
     sliced_blocks, whole_blocks = (b * h * st.slices(64, 128)[2] for st in (base.state, whole))
     fits = lambda blocks, st: blocks <= st.occupancy * 132  # noqa: E731
     assert one_wave is (q == 64 and not fits(sliced_blocks, base.state) and fits(whole_blocks, whole)
@@ -167,6 +167,25 @@ def test_whole_states_only_where_measured(monkeypatch):
     hintless = replace(cfgmod._DEFAULTS[9], state=replace(cfgmod._DEFAULTS[9].state, occupancy=None))
     monkeypatch.setitem(cfgmod._DEFAULTS, 9, hintless)
     assert default_config((9, 0), **two_seven_b).state == hintless.state
+
+
+@pytest.mark.parametrize("problem", [None, (8, 24, 64, 128), (4, 80, 64, 128), (1, 80, 64, 128)])
+def test_chunk_scan_takes_occupancy_2_at_chunk_64_only(problem):
+    """chunk_scan's hint of 2 at chunk 64 (CHUNK64_SCAN), whatever stage 2 the problem takes
+    (130m: sliced, 2.7b: whole states, one sequence: narrow); not at other chunk sizes, not on
+    another architecture, not for the whole-chunk tiles of a small state."""
+    from ssd.config import CHUNK64, CHUNK64_SCAN
+
+    kw = dict(problem=problem, sms=132 if problem else None)
+    at64 = default_config((9, 0), chunk_size=CHUNK64, **kw)
+    assert at64.scan == replace(default_config((9, 0), **kw).scan, **CHUNK64_SCAN)
+    assert at64.state == default_config((9, 0), chunk_size=CHUNK64, **kw).state
+    for q in (16, 32, 128, 256, None):
+        assert default_config((9, 0), chunk_size=q, **kw).scan.occupancy == \
+            default_config((9, 0)).scan.occupancy != CHUNK64_SCAN["occupancy"]
+    assert default_config((10, 0), chunk_size=CHUNK64, **kw).scan == default_config((10, 0), **kw).scan
+    small = default_config((9, 0), problem=(16, 32, 64, 64), sms=132, chunk_size=CHUNK64)
+    assert small.scan.whole_chunk and small.scan.occupancy == default_config((9, 0)).scan.occupancy
 
 
 def test_resolve_config_passes_the_chunk_size(monkeypatch):

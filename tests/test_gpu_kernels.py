@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd.config import (MEASURED_ARCHS, NARROW_STATE, ONE_WAVE_STATE,  # noqa: E402
+from ssd.config import (CHUNK64_SCAN, MEASURED_ARCHS, NARROW_STATE, ONE_WAVE_STATE,  # noqa: E402
                         SMALL_STATE_SCAN, ScanConfig, SSDConfig, StateConfig)
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
@@ -47,7 +47,11 @@ WHOLE = SSDConfig(scan=ScanConfig(**SMALL_STATE_SCAN))
 # The default's stage 2 where 64-wide slices need a second wave: the whole state (up to 128)
 # per block, 32 positions a K step.
 ONEWAVE = SSDConfig(state=StateConfig(**ONE_WAVE_STATE))
-NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE)
+# The default's chunk_scan at chunk 64: an occupancy hint of 2 (the compiler's other register
+# budget: 128 registers, no spill on sm_90).
+SCAN64 = SSDConfig(scan=ScanConfig(**CHUNK64_SCAN))
+NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE,
+             SCAN64=SCAN64)
 # SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
