@@ -446,7 +446,9 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
                                                 chunk_size=q, mode=mode, l2=l2, dtype=dtype,
                                                 **stats, **floor, gate_rel_err=err,
                                                 first_call_s=first_s, **tuning))
-            our_q = fastest_chunk(records, shape.name, "ssd") or OUR_CHUNK
+            # ours' stage times at its fastest chunk size, as the peers' at theirs
+            if stages or "tilegym_tuned" in table:
+                our_q = fastest_chunk(records, shape.name, "ssd") or OUR_CHUNK
             if stages:
                 row = dict(shape=shape.name, ssd_chunk_size=our_q,
                            ssd=stage_times(inputs, our_q, config=config))
@@ -593,13 +595,15 @@ def config_space(dims=None, sms: int | None = None):
     (a low DRAM-latency hint on its streamed loads, 8 worker warps instead of the compiler's 4).
     Choices interact, so this is not a grid: it shows what each knob is worth at the default.
     A point is built by applying its factor's values to the shape's default, so where the
-    default already has them it repeats the default (long-16k's narrow slices), and where the
-    default differs elsewhere it carries that difference (on 2.7b every chunk-64 point has its
-    whole-state block_k and occupancy).
+    default differs it carries that difference (on 2.7b every chunk-64 stage-2 point has its
+    whole-state block_k and occupancy), except the narrow slices, which are the API's own
+    (absent where the shape ships them: long-16k). No point repeats the default.
     """
 
-    shipped = lambda q: default_config((9, 0), chunk_size=q) if dims is None else \
-        shape_default(dims, sms, chunk_size=q)  # noqa: E731
+    def shipped(q):
+        return default_config((9, 0), chunk_size=q) if dims is None else \
+            shape_default(dims, sms, chunk_size=q)
+
     d = shipped(OUR_CHUNK)
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
     sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
@@ -610,7 +614,10 @@ def config_space(dims=None, sms: int | None = None):
     space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 32, 64, 128)
               if v != d.state.block_n]
     space += [("state layout", OUR_CHUNK, st(transposed=not d.state.transposed))]
-    space += [("state narrow", OUR_CHUNK, st(**NARROW_STATE))]
+    # the narrow slices as the API takes them for few stage-2 blocks: on the sm_90 default's
+    # state, not on a shape's own (2.7b's whole states), and only where the shape does not ship them
+    narrow = replace(default_config((9, 0), chunk_size=OUR_CHUNK).state, **NARROW_STATE)
+    space += [("state narrow", OUR_CHUNK, replace(d, state=narrow))] if narrow != d.state else []
     space += [("state occupancy", OUR_CHUNK, st(occupancy=v)) for v in (None, 1, 2, 8)
               if v != d.state.occupancy]
     space += [("state hints", OUR_CHUNK, st(latency=2)), ("state hints", OUR_CHUNK, st(warps=8))]
@@ -804,10 +811,10 @@ def main(argv=None) -> int:
                              "instead of the study's space (e.g. state.block_k=16,32, q=128, or "
                              "scan.block_m=32+scan.block_s=32 for one point changing both); "
                              "written to results/<gpu>/study-vary.json unless --out")
-    parser.add_argument("--around", choices=("global", "shipped"), default="global",
-                        help="with --vary: the points change the sm_90 default (global) or what the "
-                             "API ships for each shape (shipped: narrow state slices, small-state "
-                             "tiles)")
+    parser.add_argument("--around", choices=("global", "shipped"), default="shipped",
+                        help="with --vary: the points change what the API ships for each shape "
+                             "(shipped, the default: narrow or whole state slices, small-state "
+                             "tiles, as the study does) or the sm_90 default (global)")
     parser.add_argument("--stages", action="store_true",
                         help="study only: time each point's kernels alone too (eager, L2 flushed)")
     parser.add_argument("--tilegym-replay", metavar="FOLDER",
@@ -822,7 +829,7 @@ def main(argv=None) -> int:
         parser.error("--vary goes with --suite study")
     if args.stages and args.suite != "study":
         parser.error("--stages goes with --suite study")
-    if args.around != "global" and not args.vary:
+    if args.around != "shipped" and not args.vary:
         parser.error("--around goes with --vary")
     if args.tilegym_replay and "tilegym_tuned" not in (args.impl or ()):
         parser.error("--tilegym-replay goes with --impl tilegym_tuned")

@@ -256,14 +256,13 @@ def default_config(capability: tuple[int, int] | None = None,
     if problem is not None:
         b, h, p, n = problem
         blocks = b * h * config.state.slices(p, n)[2]
-        one_wave = replace(config.state, **ONE_WAVE_STATE)
         if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms:
             config = replace(config, state=replace(config.state, **NARROW_STATE))
         elif (sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
-              and config.state.occupancy and n <= one_wave.block_n
-              and blocks > config.state.occupancy * sms
-              and b * h * one_wave.slices(p, n)[2] <= one_wave.occupancy * sms):
-            config = replace(config, state=one_wave)
+              and config.state.occupancy and blocks > config.state.occupancy * sms):
+            one_wave = replace(config.state, **ONE_WAVE_STATE)
+            if n <= one_wave.block_n and b * h * one_wave.slices(p, n)[2] <= one_wave.occupancy * sms:
+                config = replace(config, state=one_wave)
         if n <= SMALL_STATE:
             config = replace(config, scan=replace(config.scan, **SMALL_STATE_SCAN))
     if (chunk_size == CHUNK64 and capability[0] in MEASURED_ARCHS and config.scan.occupancy
