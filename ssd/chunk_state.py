@@ -63,7 +63,7 @@ def chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     a cp.async that the consumer warps issue and wait out themselves at every chunk of the
     walk, where a row is a TMA load the producer issues ahead (and the same row the last K
     step reads). On the H200 this took 18-24 % off the fused stage 2 at chunk 128
-    (results/h200/screening/stop21/tail-row.json; the Performance chapter has the numbers)."""
+    (results/h200/screening/stop21/tail-row.json; the peers chapter, 10, has the numbers)."""
     tail = ct.load(dA_cumsum, index=(ib, ih, ic, Q // BLOCK_K - 1), shape=(1, 1, 1, BLOCK_K))
     return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K - 1,), shape=(1,))
 
@@ -86,7 +86,7 @@ def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib
     ``FULL``: every chunk of the sequence is full (seqlen % Q == 0), so the K loop has a
     constant trip count and is unrolled. The fused walk then has a straight-line body per chunk,
     which the H200 ran faster per forward than the counted loop on every model shape
-    (results/h200/screening/stop17/flat-walk*.json; the Performance chapter has the numbers).
+    (results/h200/screening/stop17/flat-walk*.json; the peers chapter, 10, has the numbers).
     """
     last = chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K)
     seq_end = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ

@@ -3,7 +3,7 @@
 One :class:`SSDConfig` travels from the public API to every stage launcher. Defaults come
 from :func:`default_config`, which picks per GPU architecture:
 
-* ``sm_90`` (Hopper, H100/H200): measured on an H200 (see the Performance chapter; the
+* ``sm_90`` (Hopper, H100/H200): measured on an H200 (see the Performance chapters, 09 and 10; the
   numbers behind each choice are in ``results/h200/``).
 * ``sm_100`` / ``sm_120`` (Blackwell) and ``sm_80`` (Ampere): the same tiles, **not measured**;
   they compile (CI exports every kernel for sm_80/sm_90/sm_100) but were never timed.
@@ -244,7 +244,7 @@ def default_config(capability: tuple[int, int] | None = None,
     than one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
     one head; on sm_90 at ``chunk_size`` ``CHUNK64``, chunk_scan's other tiles get the occupancy
-    hint of ``CHUNK64_SCAN``: the Performance chapter measures them on the model shapes."""
+    hint of ``CHUNK64_SCAN``: the Performance chapters measure them on the model shapes."""
     if capability is None:
         try:
             import torch
