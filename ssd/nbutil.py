@@ -44,8 +44,8 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
     if gpu is None and gpu_available():
         import torch
 
-        own = result_path(name, gpu_slug({"gpu": torch.cuda.get_device_name()}))
-        gpu = own.parent.name if own.is_file() else None
+        slug = gpu_slug({"gpu": torch.cuda.get_device_name()})
+        gpu = slug if result_path(name, slug).is_file() else None
     path = result_path(name, gpu)
     if not path.is_file():
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path

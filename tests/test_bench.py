@@ -119,6 +119,23 @@ def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):
     assert "No GPU here" in capsys.readouterr().out
 
 
+def test_a_gpu_machine_reads_its_own_nested_recording_or_the_books(tmp_path, monkeypatch):
+    # On a GPU, "tilegym_tuned/130m" is read from results/<this GPU>/tilegym_tuned/ when that GPU
+    # recorded it, else from the book's results/h200/ (stop 26: the folder's name was taken for
+    # the GPU's, so chapter 10 failed on the H200 itself).
+    import torch
+
+    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
+    monkeypatch.setattr(nbutil, "gpu_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    for gpu, v in (("h200", "book"), ("h100", "own")):
+        (tmp_path / gpu / "tilegym_tuned").mkdir(parents=True)
+        (tmp_path / gpu / "tilegym_tuned" / "130m.json").write_text(json.dumps({"v": v}))
+    (tmp_path / "h200" / "tilegym_tuned" / "2.7b.json").write_text(json.dumps({"v": "book"}))
+    assert nbutil.load_recorded("tilegym_tuned/130m")["v"] == "own"
+    assert nbutil.load_recorded("tilegym_tuned/2.7b")["v"] == "book"
+
+
 def test_recorded_at_a_revision_falls_back_to_the_kept_run(tmp_path, monkeypatch):
     monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
     monkeypatch.setattr(nbutil, "gpu_available", lambda: False)
