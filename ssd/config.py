@@ -215,10 +215,12 @@ ONE_WAVE_CHUNK = 64
 # hint of 3 compiles chunk_scan at 64 to 80 registers and a 72-byte spill, the hint of 2 to 128
 # registers without one (results/compile/sm_90_resources.json), and the layout study at chunk 64
 # timed the forward 1.017-1.019x faster with it on 130m, 2.7b and codestral-7b (results/h200/
-# study.json at ba74628; every study shape). At chunk 128 the same hint is the slower one (the
-# study of b1acfe0: 0.9x), so the rule takes it at 64 only, on the measured architecture, where
-# the default states an occupancy, and not for the whole-chunk tiles of small states (not timed
-# at 64; small-state runs fastest at 128).
+# previous/study-ba74628.json; every study shape). At chunk 128 the same hint is the slower one
+# (the study of b1acfe0: 0.99x the speed of 3), so the rule takes it at 64 only, on the measured
+# architecture, where the default states an occupancy, and not for the whole-chunk tiles of small
+# states (the hint of 2 was not timed on them; small-state runs fastest at 128). Recorded with
+# the rule (c754dc3): the study's point at 3 took 1.012-1.014x the time, and ours at 64 over
+# mamba_ssm grew 1.013-1.024x on the four models shapes that take it (the Performance chapters).
 CHUNK64_SCAN = dict(occupancy=2)
 CHUNK64 = 64
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from .env import ROOT, environment, gpu_slug, write_json
@@ -113,8 +115,88 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
                 if trees[0] != trees[1]:
                     return False
     except (OSError, subprocess.SubprocessError, LookupError):
-        return None
+        return _same_by_digest(revs, paths)
     return True
+
+
+#: ``results/code_digests.json``: for each git revision the recordings name, a digest of the
+#: code :func:`same_code` compares (:func:`code_digest`), so that it can answer where git
+#: cannot: a GPU machine handed the working tree without its history, a copy without ``.git``.
+#: ``python -m ssd.nbutil`` refreshes it after new recordings (a CPU test checks it covers them).
+CODE_DIGESTS = RESULTS / "code_digests.json"
+DIGEST_KEYS = {MEASURED_CODE: "measured", KERNEL_CODE: "kernel"}
+_EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's empty tree
+
+
+def code_digest(rev: str, paths=MEASURED_CODE, root: Path = ROOT) -> str:
+    """sha256 over the files ``paths`` select at git revision ``rev``: each file's path and its
+    syntax tree without docstrings (Python; :func:`_code_of`) or its text, so that two revisions
+    have one digest exactly where :func:`same_code` finds them the same (with one Python: the
+    tree's text is the running interpreter's ``ast.dump``)."""
+    git = functools.partial(_git, root)
+    digest = hashlib.sha256()
+    for path in sorted(git("diff", "--name-only", _EMPTY_TREE, rev, "--", *paths).splitlines()):
+        source = git("show", f"{rev}:{path}")
+        digest.update(f"{path}\0{_code_of(source) if path.endswith('.py') else source}\0".encode())
+    return digest.hexdigest()
+
+
+def _same_by_digest(revs, paths) -> bool | None:
+    """:func:`same_code` from :data:`CODE_DIGESTS`: None unless every revision (a recorded one,
+    or a unique prefix of one) has a digest for ``paths``."""
+    key = DIGEST_KEYS.get(tuple(paths))
+    if key is None or not CODE_DIGESTS.is_file():
+        return None
+    table = json.loads(CODE_DIGESTS.read_text()).get("digests", {}).get(key, {})
+    digests = []
+    for rev in revs:
+        found = [d for r, d in table.items() if r.startswith(rev)]
+        if len(found) != 1:
+            return None
+        digests.append(found[0])
+    return len(set(digests)) == 1
+
+
+def recorded_revisions(results: Path = RESULTS) -> list[str]:
+    """Every ``git_revision`` the recordings under ``results`` name (at any depth of a file),
+    but those of a tree with uncommitted changes (``-dirty``)."""
+    found = set()
+
+    def walk(node):
+        if isinstance(node, dict):
+            rev = node.get("git_revision")
+            if isinstance(rev, str) and rev and not rev.endswith("-dirty"):
+                found.add(rev)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    for path in results.rglob("*.json"):
+        if path != CODE_DIGESTS:
+            walk(json.loads(path.read_text()))
+    return sorted(found)
+
+
+def known_revision(rev: str, root: Path = ROOT) -> bool:
+    """Whether this checkout's git has commit ``rev`` (a screening branch's may be gone)."""
+    try:
+        _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except (OSError, subprocess.SubprocessError, LookupError):
+        return False
+    return True
+
+
+def write_code_digests(root: Path = ROOT) -> dict:
+    """Compute :data:`CODE_DIGESTS` from git for every recorded revision it knows, and write it."""
+    revs = [rev for rev in recorded_revisions() if known_revision(rev, root)]
+    table = {"python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+             "paths": {key: list(paths) for paths, key in DIGEST_KEYS.items()},
+             "digests": {key: {rev: code_digest(rev, paths, root) for rev in revs}
+                         for paths, key in DIGEST_KEYS.items()}}
+    write_json(CODE_DIGESTS, table)
+    return table
 
 
 def same_function(path: str, name: str, *revisions, root: Path = ROOT) -> bool | None:
@@ -193,8 +275,13 @@ def glue(name: str, value, display: bool = True) -> None:
     """``myst_nb.glue`` without importing myst_nb (the GPU machine has no Sphinx stack).
 
     Emits the same display output myst_nb's glue does (a mimebundle tagged with
-    ``metadata["scrapbook"]``), which the book build reads from the stored notebook.
+    ``metadata["scrapbook"]``), which the book build reads from the stored notebook. A string is
+    pasted as its repr, so it may hold no markup (backticks) and no apostrophe, which would make
+    the repr's quotes double and visible in the text.
     """
+    if isinstance(value, str) and ("'" in value or "`" in value):
+        raise ValueError(f"glue {name!r}: a glued string renders as plain text in its repr; "
+                         f"drop the apostrophe or backtick from {value!r}")
     import IPython
     from IPython.display import display as ipy_display
 
@@ -202,3 +289,9 @@ def glue(name: str, value, display: bool = True) -> None:
     prefix = "" if display else "application/papermill.record/"
     metadata["scrapbook"] = dict(name=name, mime_prefix=prefix)
     ipy_display({prefix + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)
+
+
+if __name__ == "__main__":
+    written = write_code_digests()
+    print(f"{CODE_DIGESTS.relative_to(ROOT)}: {len(next(iter(written['digests'].values())))} "
+          f"revisions, {len(written['digests'])} path sets")

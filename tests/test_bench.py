@@ -2,6 +2,7 @@
 recorded-results plumbing the GPU chapters use, and the results folder names."""
 import json
 import math
+import sys
 from dataclasses import replace
 
 import pytest
@@ -169,6 +170,66 @@ def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch
     assert got["source"] == "live"
     saved = json.loads((tmp_path / "h100" / "thing.json").read_text())
     assert saved == {"value": 7, "environment": {"gpu": "NVIDIA H100 80GB HBM3"}}
+
+
+def test_glue_refuses_strings_that_would_render_with_quotes():
+    for text in ("each shape's fastest", "`chunk_scan`"):
+        with pytest.raises(ValueError, match="plain text"):
+            nbutil.glue("name", text, display=False)
+
+
+def test_code_digests_answer_same_code_without_git(tmp_path, monkeypatch):
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    revs = []
+    for files in ({"ssd/k.py": "kernel = 1\n"},
+                  {"ssd/nbutil.py": "renders chapters\n"},                     # not measured
+                  {"ssd/k.py": '"""A kernel."""\n# why\nkernel = (\n    1)\n'},  # layout only
+                  {"ssd/k.py": "kernel = 2\n"},                                # a kernel changed
+                  {"ssd/table.csv": "1,2\n"}):                                 # not Python
+        for name, text in files.items():
+            (tmp_path / name).parent.mkdir(exist_ok=True)
+            (tmp_path / name).write_text(text)
+        git("add", "-A")
+        git("commit", "-qm", "step")
+        revs.append(git("rev-parse", "--short=12", "HEAD"))
+    a, b, c, d, e = revs
+    digest = {r: nbutil.code_digest(r, nbutil.KERNEL_CODE, tmp_path) for r in revs}
+    assert digest[a] == digest[b] == digest[c] != digest[d] != digest[e]
+    for x, y in ((a, c), (a, d), (d, e)):   # the digests agree with git's answer
+        assert (digest[x] == digest[y]) is nbutil.same_code(x, y, paths=nbutil.KERNEL_CODE, root=tmp_path)
+    # Without git (a GPU machine given the working tree only), same_code reads the table.
+    table = tmp_path / "code_digests.json"
+    table.write_text(json.dumps({"digests": {"kernel": {a: digest[a], c: digest[c], d: digest[d]}}}))
+    monkeypatch.setattr(nbutil, "CODE_DIGESTS", table)
+    nowhere = tmp_path / "no-git-here"
+    same = lambda *rs, paths=nbutil.KERNEL_CODE: nbutil.same_code(*rs, paths=paths, root=nowhere)  # noqa: E731
+    assert same(a, c) is True and same(a[:7], c) is True and same(a, d) is False
+    assert same(a, b) is None                                   # b has no digest
+    assert same(a, c, paths=nbutil.MEASURED_CODE) is None       # no digests for those paths
+    assert same(a, c + "-dirty") is None
+
+
+def test_code_digests_cover_the_recorded_revisions():
+    # results/code_digests.json (python -m ssd.nbutil) has every revision of a recording that
+    # this checkout's git knows, so that a chapter executed without git history (on the GPU
+    # machine) can still tell whether two recordings time the same code.
+    known = [r for r in nbutil.recorded_revisions() if nbutil.known_revision(r)]
+    if not known:
+        pytest.skip("no git history here")
+    table = json.loads(nbutil.CODE_DIGESTS.read_text())
+    for paths, key in nbutil.DIGEST_KEYS.items():
+        missing = sorted(set(known) - set(table["digests"][key]))
+        assert not missing, f"refresh with python -m ssd.nbutil: {key} lacks {missing}"
+        assert table["paths"][key] == list(paths)
+    now = json.loads(nbutil.result_path("models").read_text())["environment"]["git_revision"]
+    if table["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}":   # ast.dump's format
+        assert table["digests"]["kernel"][now] == nbutil.code_digest(now, nbutil.KERNEL_CODE)
 
 
 def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
