@@ -209,9 +209,7 @@ def same_function(path: str, name: str, *revisions, root: Path = ROOT) -> bool |
         return None
     codes = set()
     for rev in revs:
-        try:
-            _git(root, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-        except (OSError, subprocess.SubprocessError, LookupError):
+        if not known_revision(rev, root):
             return None  # no git here, or a revision it does not have
         try:
             found = [node for node in ast.parse(_git(root, "show", f"{rev}:{path}")).body
