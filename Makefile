@@ -62,10 +62,10 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # the kernel variants they use dominates; the repetition counts and the prefill grid (8-layer
 # stacks, the quick grid) are the ones the recorded results/h200 files were made with, so a run
 # here is comparable with them line for line (python -m ssd.endtoend without options sweeps the
-# full grid at the published depths). The layer calls our SSD at 128, the chunk size of the
-# recorded layer run (results/h200/endtoend.json; the layout study's default point,
-# ssd.bench.OUR_CHUNK, moved to 64 at ba74628, after that run; the suites time ours, like
-# mamba_ssm, at 64, 128 and 256 and count its fastest), and mamba_ssm's at the layer's 256.
+# full grid at the published depths). The layer calls our SSD at 64, its fastest chunk size on
+# four of the five models shapes (results/h200/models.json; the suites time ours, like mamba_ssm,
+# at 64, 128 and 256 and count its fastest), and mamba_ssm's at the layer's 256, its fastest on all
+# five.
 GPU_PYTHON ?= python3
 gpu: gpu-check gpu-bench gpu-study gpu-results
 gpu-check:
@@ -78,8 +78,8 @@ gpu-bench:
 	$(GPU_PYTHON) -m ssd.bench --suite seqlen --reps 30 --quick
 gpu-study:
 	$(GPU_PYTHON) -m ssd.bench --suite study --reps 20
-	$(GPU_PYTHON) -m ssd.endtoend --only share --reps 10 --chunk-size cutile=128
-	$(GPU_PYTHON) -m ssd.endtoend --only prefill --quick --layers 8 --prefill-reps 5 --chunk-size cutile=128
+	$(GPU_PYTHON) -m ssd.endtoend --only share --reps 10 --chunk-size cutile=64
+	$(GPU_PYTHON) -m ssd.endtoend --only prefill --quick --layers 8 --prefill-reps 5 --chunk-size cutile=64
 gpu-results:
 	$(GPU_PYTHON) -m ssd.notebooks '0[4-9]*.ipynb' '1[0-9]*.ipynb'
 
