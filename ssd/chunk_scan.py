@@ -191,6 +191,91 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
                      tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))
 
 
+def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
+               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
+               N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, LATENCY):
+    """Tile code: y for every row of one full chunk, ``bc`` as in :func:`scan_tile`, for the
+    ``BLOCK_H`` heads of head block ``hp // p_tiles`` one after another (a whole-chunk tile).
+
+    Every load is made once per tile: C's row blocks and B's column blocks once for all the
+    heads (they share one group), each head's x column blocks and entering state once for all
+    its row blocks, where :func:`scan_tile` per row block reloads the entering state and the x
+    and B columns that earlier row blocks read too. Each tile is loaded where it is first
+    needed, after the stores before it, so that the compiler keeps the row blocks in order
+    rather than holding every tile of the chunk at once. The chunk must be full (no tile past
+    the sequence end), which the kernel checks before it takes this path."""
+    ib = bc // nchunks
+    ic = bc % nchunks
+    jh = hp // p_tiles
+    ip = hp % p_tiles
+    ig = (jh * BLOCK_H) // heads_per_group
+    m_tiles = Q // BLOCK_M
+    s_tiles = Q // BLOCK_S
+    s_per_m = BLOCK_M // BLOCK_S
+    prev_seq = ct.zeros((1,), dtype=ct.int32)  # the sequence whose state enters the chunk
+    if HAS_SEQ:
+        prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
+        prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
+    # C's row blocks [M, N] and B's column blocks [S, N], each loaded once by the first head
+    # (in the static loops below, column block js is new where it is diagonal: js >= im * s_per_m)
+    cs, bs = (), ()
+    for j in ct.static_iter(range(BLOCK_H)):
+        ih = jh * BLOCK_H + j
+        prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
+                       padding_mode=ZERO)
+        prev = prev.reshape((BLOCK_P, N_PAD)).astype(x.dtype)  # [P, N]
+        xs = ()  # this head's x column blocks [S, P]
+        for im in ct.static_iter(range(m_tiles)):
+            if j == 0:
+                c_t = ct.load(C, index=(ib, ic * m_tiles + im, ig, 0), shape=(1, BLOCK_M, 1, N_PAD),
+                              padding_mode=ZERO)
+                cs += (c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype),)
+            rows = ic * m_tiles + im  # the row block, in BLOCK_M tiles of the sequence
+            seq_t = ct.zeros((BLOCK_M,), dtype=ct.int32)  # unread without HAS_SEQ
+            c_in = cs[im]
+            if HAS_SEQ:  # rows whose sequence began inside the chunk take no entering state
+                seq_t = ct.load(seq_idx, index=(ib, rows), shape=(1, BLOCK_M)).reshape((BLOCK_M,))
+                c_in = ct.where((seq_t == prev_seq)[:, None], c_in, 0.0).astype(x.dtype)
+            a_t = ct.load(dA_cumsum, index=(ib, ih, ic, im), shape=(1, 1, 1, BLOCK_M))
+            a_t = a_t.reshape((BLOCK_M,)) * LOG2E  # [M], log2 units
+            acc = ct.mma(c_in, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
+            acc = acc * ct.exp2(a_t)[:, None]  # entering state, decayed from the chunk start
+            for js in ct.static_iter(range((im + 1) * s_per_m)):
+                causal = js >= im * s_per_m  # a diagonal column block, first used here (static)
+                if causal and j == 0:
+                    b_s = ct.load(B, index=(ib, ic * s_tiles + js, ig, 0),
+                                  shape=(1, BLOCK_S, 1, N_PAD), padding_mode=ZERO, latency=LATENCY)
+                    bs += (b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype),)
+                if causal:
+                    xs += (head_rows(x, ib, ic * s_tiles + js, ih, ip, BLOCK_S, BLOCK_P, LATENCY),)
+                cb = ct.mma(cs[im], ct.transpose(bs[js]), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))
+                a_s = ct.load(dA_cumsum, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
+                seg = a_t[:, None] - a_s.reshape((BLOCK_S,))[None, :] * LOG2E  # [M, S]
+                if causal or HAS_SEQ:
+                    keep = ct.full((BLOCK_M, BLOCK_S), True, dtype=ct.bool_)
+                    if causal:
+                        keep = ((im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32))[:, None]
+                                >= (js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32))[None, :])
+                    if HAS_SEQ:
+                        keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
+                    seg = ct.where(keep, seg, -float("inf"))  # the exponent, as in column_block
+                dt_s = ct.load(dt_out, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
+                dt_s = dt_s.reshape((BLOCK_S,))
+                w = cb * ct.exp2(seg, flush_to_zero=True) * dt_s[None, :]  # [M, S]
+                acc = ct.mma(w.astype(x.dtype), xs[js], acc)
+            if HAS_D:
+                if BLOCK_S == BLOCK_M:
+                    x_t = xs[im]  # the diagonal column block is the row block's own x
+                else:
+                    x_t = head_rows(x, ib, rows, ih, ip, BLOCK_M, BLOCK_P)
+                acc = acc + x_t.astype(ct.float32) * skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD)
+            if HAS_Z:
+                z_t = head_rows(z, ib, rows, ih, ip, BLOCK_M, BLOCK_P).astype(ct.float32)
+                acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
+            ct.store(y, index=(ib, rows, ih, ip),
+                     tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))
+
+
 @functools.lru_cache(maxsize=None)
 def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None):
     """The kernel for one index width and one set of compiler hints (see ScanConfig)."""
@@ -227,6 +312,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         HAS_SEQ: ConstBool,
         PERSISTENT: ConstBool,
         WHOLE_CHUNK: ConstBool,  # persistent only: a tile is all row blocks of a chunk
+        SHARED: ConstBool,       # whole-chunk tiles of full chunks: scan_chunk
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -241,7 +327,10 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
                 HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, latency)
         m_tiles = Q // BLOCK_M
         hp_tiles = head_tiles * p_tiles
-        if PERSISTENT and WHOLE_CHUNK:
+        if PERSISTENT and WHOLE_CHUNK and SHARED:
+            for t in range(ct.bid(0), batch * nchunks * hp_tiles, ct.num_blocks(0)):
+                scan_chunk(t // hp_tiles, t % hp_tiles, *args)
+        elif PERSISTENT and WHOLE_CHUNK:
             for t in range(ct.bid(0), batch * nchunks * hp_tiles, ct.num_blocks(0)):
                 for im in ct.static_iter(range(m_tiles)):
                     scan_tile(t // hp_tiles, im, t % hp_tiles, *args, True)
@@ -294,6 +383,6 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           b, h // config.block_h, q, config.block_h, config.block_m, config.block_s,
                           config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
                           z is not None, seq_idx is not None, config.persistent,
-                          config.whole_chunk),
+                          config.whole_chunk, config.shared and l % q == 0),
            device=dev)
     return out

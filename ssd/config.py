@@ -121,6 +121,7 @@ class ScanConfig:
     warps: int | None = None
     persistent: bool = True
     whole_chunk: bool = False
+    shared: bool = False
 
     def __post_init__(self):
         if self.whole_chunk and not self.persistent:

@@ -129,6 +129,38 @@ def test_one_wave_stage2_where_the_default_takes_it(gpu_record):
     check_stages(spec, "bfloat16", config, gpu_record, "one-wave", seed_for(spec.name))
 
 
+# chunk_scan's whole-chunk tiles over full chunks (every tile loaded once, heads one after
+# another: chunk_scan.scan_chunk), with every feature, several heads a group, padded states,
+# a diagonal of several column tiles and packed sequences whose boundaries fall inside and at
+# the start of chunks. A sequence ending inside a chunk takes the per-row-block path instead
+# (the edge and random shapes test it).
+def _full(name, b, l, h, p, n, g, q, **kw):
+    return ProblemSpec(b, l, h, p, n, g, chunk_size=q, dt_bias=True, dt_softplus=True,
+                       initial_states=True, z=True, name=name, **kw)
+
+
+SHARED_CASES = {
+    "q128-h1": (_full("q128-h1", 2, 512, 4, 64, 64, 1, 128, D="h", seq_boundaries=(200, 256)),
+                dict(block_h=1)),
+    "q128-h2-g2": (_full("q128-h2-g2", 2, 384, 8, 48, 40, 2, 128, D="hp"), dict(block_h=2)),
+    "q64-h4": (_full("q64-h4", 1, 256, 8, 64, 128, 1, 64, D="h", seq_boundaries=(64, 100)),
+               dict(block_h=4)),
+    "q128-s32": (_full("q128-s32", 2, 256, 4, 32, 64, 1, 128, D="h", seq_boundaries=(130,)),
+                 dict(block_h=2, block_s=32)),
+    "q256-m128": (_full("q256-m128", 1, 512, 2, 64, 64, 1, 256, D="hp"),
+                  dict(block_h=1, block_m=128, block_s=64)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("name", list(SHARED_CASES))
+def test_whole_chunk_tiles_over_full_chunks(name, dtype, gpu_record):
+    spec, scan = SHARED_CASES[name]
+    assert spec.seqlen % spec.chunk_size == 0
+    config = SSDConfig(scan=ScanConfig(whole_chunk=True, shared=True, **scan))
+    check_stages(spec, dtype, config, gpu_record, f"whole-chunk/{name}", seed_for(name + dtype))
+
+
 def _api_call(spec, inputs, **kw):
     import ssd
 
