@@ -20,6 +20,11 @@ is every MMA, which sm_90 runs as a warpgroup MMA (wgmma); a leading head axis w
 MMA batched, which the compiler lowers to warp-level mma.sync instead. Packed sequences (seq_idx)
 mask the diagonal block to pairs in the same sequence and drop the entering state for rows
 whose sequence started inside the chunk.
+
+A whole-chunk tile of full chunks (:func:`scan_chunk`, ``ScanConfig.shared``) takes its heads
+one after another instead and loads each of its tiles once. Reloads cost time even where they
+hit in L2: on the H200, dropping them took chunk_scan to 0.86x on small-state at chunk 128 and
+to 0.92-0.94x at chunk 64 on the other model shapes (the Performance chapters).
 """
 import functools
 
@@ -312,7 +317,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         HAS_SEQ: ConstBool,
         PERSISTENT: ConstBool,
         WHOLE_CHUNK: ConstBool,  # persistent only: a tile is all row blocks of a chunk
-        SHARED: ConstBool,       # whole-chunk tiles of full chunks: scan_chunk
+        SHARED: ConstBool,       # whole-chunk tiles, every chunk full: scan_chunk
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -320,7 +325,9 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
 
         The block's heads (all in one group) share C, B and therefore the C Bᵀ tile, which is
         computed once per column block and used by BLOCK_H 2-D MMAs, one per head; per-head
-        data (decays, dt', x, states, accumulators) are tuples of BLOCK_H 2-D tiles.
+        data (decays, dt', x, states, accumulators) are tuples of BLOCK_H 2-D tiles. SHARED
+        whole-chunk tiles (every chunk full) walk their heads one after another instead,
+        loading C and B once for them all (:func:`scan_chunk`).
         """
         args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
                 nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD,
