@@ -598,7 +598,7 @@ def config_space(dims=None, sms: int | None = None):
     A point is built by applying its factor's values to the shape's default, so where the
     default differs it carries that difference (on 2.7b every chunk-64 stage-2 point has its
     whole-state block_k and occupancy), except the narrow slices, which are the API's own
-    (absent where the shape ships them: long-16k). No point repeats the default.
+    (absent where the shape ships them: long-16k). No point repeats another, or the default.
     """
 
     def shipped(q):
@@ -639,7 +639,9 @@ def config_space(dims=None, sms: int | None = None):
     space += [("scan tile", OUR_CHUNK, sc(block_m=bm, block_s=bs, block_p=bp))
               for bm, bs, bp in ((32, 32, 64), (64, 32, 64), (64, 64, 32))
               if (bm, bs, bp) != (d.scan.block_m, d.scan.block_s, d.scan.block_p)]
-    return space
+    # each point once (around whole-chunk tiles, "scan block_h" and "scan whole chunk" meet)
+    seen = set()
+    return [p for p in space if (p[1], p[2]) not in seen and not seen.add((p[1], p[2]))]
 
 
 _CONSTANTS = {"None": None, "True": True, "False": False}

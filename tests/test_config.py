@@ -17,7 +17,7 @@ def test_state_config_rejects_bad_values(kwargs):
 
 @pytest.mark.parametrize("kwargs", [dict(block_h=3), dict(block_m=96), dict(occupancy=-1),
                                     dict(block_m=32, block_s=64),
-                                    dict(whole_chunk=True, persistent=False)])
+                                    dict(whole_chunk=True, persistent=False), dict(shared=True)])
 def test_scan_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
         ScanConfig(**kwargs)
@@ -170,10 +170,11 @@ def test_whole_states_only_where_measured(monkeypatch):
 
 
 @pytest.mark.parametrize("problem", [None, (8, 24, 64, 128), (4, 80, 64, 128), (1, 80, 64, 128)])
-def test_chunk_scan_takes_occupancy_2_at_chunk_64_only(problem):
-    """chunk_scan's hint of 2 at chunk 64 (CHUNK64_SCAN), whatever stage 2 the problem takes
-    (130m: sliced, 2.7b: whole states, one sequence: narrow); not at other chunk sizes, not on
-    another architecture, not for the whole-chunk tiles of a small state."""
+def test_chunk_scan_takes_its_chunk64_tiles_at_chunk_64_only(problem):
+    """chunk_scan's whole-chunk tiles loaded once with the hint of 2 at chunk 64 (CHUNK64_SCAN),
+    whatever stage 2 the problem takes (130m: sliced, 2.7b: whole states, one sequence:
+    narrow); not at other chunk sizes, not on another architecture, not for the whole-chunk
+    tiles of a small state (one head, the default's hint)."""
     from ssd.config import CHUNK64, CHUNK64_SCAN
 
     kw = dict(problem=problem, sms=132 if problem else None)
@@ -181,11 +182,13 @@ def test_chunk_scan_takes_occupancy_2_at_chunk_64_only(problem):
     assert at64.scan == replace(default_config((9, 0), **kw).scan, **CHUNK64_SCAN)
     assert at64.state == default_config((9, 0), chunk_size=CHUNK64, **kw).state
     for q in (16, 32, 128, 256, None):
-        assert default_config((9, 0), chunk_size=q, **kw).scan.occupancy == \
-            default_config((9, 0)).scan.occupancy != CHUNK64_SCAN["occupancy"]
+        other = default_config((9, 0), chunk_size=q, **kw).scan
+        assert other.occupancy == default_config((9, 0)).scan.occupancy != CHUNK64_SCAN["occupancy"]
+        assert not other.whole_chunk and not other.shared
     assert default_config((10, 0), chunk_size=CHUNK64, **kw).scan == default_config((10, 0), **kw).scan
     small = default_config((9, 0), problem=(16, 32, 64, 64), sms=132, chunk_size=CHUNK64)
-    assert small.scan.whole_chunk and small.scan.occupancy == default_config((9, 0)).scan.occupancy
+    assert small.scan.whole_chunk and small.scan.shared and small.scan.block_h == 1
+    assert small.scan.occupancy == default_config((9, 0)).scan.occupancy
 
 
 def test_resolve_config_passes_the_chunk_size(monkeypatch):
@@ -221,20 +224,25 @@ def test_persistent_chunk_scan_launches_one_axis_of_blocks():
     assert scan.grid[1:] == (1, 1)
 
 
-@pytest.mark.parametrize("whole_chunk, tiles", [(False, 2 * 2 * 2), (True, 2 * 2)])
-def test_whole_chunk_tiles_cover_every_row_block_once(whole_chunk, tiles):
+@pytest.mark.parametrize("whole_chunk, shared, seqlen, tiles, constants", [
+    (False, False, 256, 2 * 2 * 2, (False, False)),
+    (True, False, 256, 2 * 2, (True, False)),
+    (True, True, 256, 2 * 2, (True, True)),
+    (True, True, 200, 2 * 2, (True, False))])
+def test_whole_chunk_tiles_cover_every_row_block_once(whole_chunk, shared, seqlen, tiles, constants):
     """The persistent grid is capped by the tile count: a whole-chunk tile holds both row blocks
     of a 128-chunk (block_m 64), so there are half as many tiles. (1 sequence, 2 chunks,
-    4 heads in head blocks of 2, one channel slice; CPU capture, 1 "SM".)"""
+    4 heads in head blocks of 2, one channel slice; CPU capture, 1 "SM".) The kernel's last two
+    constants, WHOLE_CHUNK and SHARED: tiles loaded once only where every chunk is full."""
     import torch
 
     from ssd import _launch
     from ssd.api import forward_stages
 
-    b, l, h, p, n = 1, 256, 4, 64, 128
-    config = SSDConfig(scan=ScanConfig(whole_chunk=whole_chunk, occupancy=32))
+    b, l, h, p, n = 1, seqlen, 4, 64, 128
+    config = SSDConfig(scan=ScanConfig(whole_chunk=whole_chunk, shared=shared, occupancy=32))
     with _launch.capture() as recs:
         forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
                        torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128, config=config)
     scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")
-    assert scan.grid == (tiles, 1, 1) and scan.args[-1] is whole_chunk
+    assert scan.grid == (tiles, 1, 1) and scan.args[-2:] == constants
