@@ -24,7 +24,9 @@ whose sequence started inside the chunk.
 A whole-chunk tile of full chunks (:func:`scan_chunk`, ``ScanConfig.shared``) takes its heads
 one after another instead and loads each of its tiles once. Reloads cost time even where they
 hit in L2: on the H200, dropping them took chunk_scan to 0.86x on small-state at chunk 128 and
-to 0.92-0.94x at chunk 64 on the other model shapes (the Performance chapters).
+to 0.92-0.94x at chunk 64 (two heads, occupancy hint 2) on the other model shapes
+(results/h200/screening/stop28/shared-<shape>.json; not shipped until the chapters are
+re-recorded with it).
 """
 import functools
 
