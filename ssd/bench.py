@@ -223,7 +223,9 @@ def time_fn(fn, *, mode="graph", l2="flushed", reps=50, warmup=5) -> dict:
 
 
 def measure_ceilings() -> dict:
-    """Device-to-device copy bandwidth and bf16 matmul rate, measured now on this GPU."""
+    """Device-to-device copy bandwidth, bf16 matmul rate and the rate at which the SMs take
+    8 KiB bf16 tiles from L2 (:func:`tile_stream_rate` over a buffer that fits in it), measured
+    now on this GPU."""
     import torch
 
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -233,7 +235,29 @@ def measure_ceilings() -> dict:
     mm = time_fn(lambda: a @ a, mode="eager", l2="warm", reps=20)
     del src, dst
     return dict(copy_bytes_per_s=2 * 2**30 / (copy["median_ms"] * 1e-3),
-                bf16_flops_per_s=2 * 8192**3 / (mm["median_ms"] * 1e-3))
+                bf16_flops_per_s=2 * 8192**3 / (mm["median_ms"] * 1e-3),
+                l2_tile_bytes_per_s=tile_stream_rate(L2_STREAM_BYTES))
+
+
+# A buffer of 16 MiB fits in the L2 of every GPU the book measures (50 MiB on the H100/H200).
+L2_STREAM_BYTES = 16 * 2**20
+
+
+def tile_stream_rate(buffer_bytes: int, passes: int = 64) -> float:
+    """Bytes per second the SMs load as 8 KiB bf16 tiles (TMA loads, like the stages' tiles)
+    from a buffer of ``buffer_bytes``, read ``passes`` times over by four blocks per SM (L2
+    warm, eager, median of 20): the ceiling of tile traffic from L2 when the buffer fits in it."""
+    import torch
+
+    from ._tile_stream import STREAM_TILE, tile_stream
+
+    rows = buffer_bytes // (2 * STREAM_TILE[1])
+    src = torch.randn(rows, STREAM_TILE[1], device="cuda", dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
+    out = torch.empty(4 * sms * STREAM_TILE[0], STREAM_TILE[1], device="cuda", dtype=torch.float32)
+    loads = passes * (rows // STREAM_TILE[0])
+    t = time_fn(lambda: tile_stream(src, out, loads), mode="eager", l2="warm", reps=20)
+    return loads * STREAM_TILE[0] * STREAM_TILE[1] * 2 / (t["median_ms"] * 1e-3)
 
 
 def floor_ms(shape: Shape, ceilings: dict, dtype_bytes=2) -> dict:

@@ -84,9 +84,10 @@ def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None) ->
 MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
                  ":(exclude)ssd/notebooks.py", ":(exclude)ssd/env.py", ":(exclude)ssd/aot.py")
 #: the kernels, their launchers, the API and the layer: :data:`MEASURED_CODE` without the
-#: benchmark harness and the peers' adapters, which change when a harness option is added (a
-#: TileGym replay, say) while the code a recording times stays the same.
-KERNEL_CODE = (*MEASURED_CODE, ":(exclude)ssd/bench.py", ":(exclude)ssd/peers.py")
+#: benchmark harness (with its ceiling kernel) and the peers' adapters, which change when a
+#: harness option is added (a TileGym replay, say) while the code a recording times stays the same.
+KERNEL_CODE = (*MEASURED_CODE, ":(exclude)ssd/bench.py", ":(exclude)ssd/_tile_stream.py",
+               ":(exclude)ssd/peers.py")
 
 
 def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None:
