@@ -206,8 +206,8 @@ def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, s
 
     Each tile of C, B, x and the entering states is loaded once: C's row blocks and B's column
     blocks once for all the heads (they share one group), each head's x column blocks and
-    entering state once for all its row blocks, where :func:`scan_tile` per row block reloads the entering state and the x
-    and B columns that earlier row blocks read too. Each tile is loaded where it is first
+    entering state once for all its row blocks, where :func:`scan_tile` per row block reloads
+    the entering state and the x and B columns that earlier row blocks read too. Each tile is loaded where it is first
     needed, after the stores before it, so that the compiler keeps the row blocks in order
     rather than holding every tile of the chunk at once. The chunk must be full (no tile past
     the sequence end): the launcher sets SHARED only where every chunk is."""
