@@ -615,13 +615,14 @@ def config_space(dims=None, sms: int | None = None):
     what the API picks at each); stage 2 (fused or split, entering-state dtype, the state
     slice ``block_n``, its layout, the narrow slices of few-block problems, the occupancy
     hint); chunk_scan (heads per block, occupancy hint, persistent or one block per tile,
-    whole-chunk tiles of one or two heads, tile shape); for each stage the other compiler hints
-    (a low DRAM-latency hint on its streamed loads, 8 worker warps instead of the compiler's 4).
+    whole-chunk tiles of one or two heads, loaded once or per row block, tile shape); for each
+    stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8 worker warps
+    instead of the compiler's 4).
     Choices interact, so this is not a grid: it shows what each knob is worth at the default.
     A point is built by applying its factor's values to the shape's default, so where the
     default differs it carries that difference (on 2.7b every chunk-64 stage-2 point has its
     whole-state block_k and occupancy), except the narrow slices, which are the API's own
-    (absent where the shape ships them: long-16k). No point repeats the default.
+    (absent where the shape ships them: long-16k). No point repeats another, or the default.
     """
 
     def shipped(q):
@@ -651,16 +652,20 @@ def config_space(dims=None, sms: int | None = None):
     space += [("scan hints", OUR_CHUNK, sc(latency=2)), ("scan hints", OUR_CHUNK, sc(warps=8))]
     if not d.scan.whole_chunk:  # whole-chunk tiles need the persistent grid
         space += [("scan grid", OUR_CHUNK, sc(persistent=not d.scan.persistent))]
-    # whole-chunk tiles of one or two heads; for a default that has them (small states), the
-    # rows of two heads instead
-    space += [("scan whole chunk", OUR_CHUNK, sc(whole_chunk=wc, block_h=v))
+    # whole-chunk tiles (loaded once) of one or two heads; for a default that has them, rows of
+    # two heads instead, and its whole-chunk tiles reloading what their row blocks share
+    space += [("scan whole chunk", OUR_CHUNK, sc(whole_chunk=wc, shared=wc, block_h=v))
               for wc, v in ((True, 1), (True, 2), (False, 2))
               if (wc, v) != (d.scan.whole_chunk, d.scan.block_h) and (wc or d.scan.whole_chunk)]
+    if d.scan.whole_chunk:
+        space += [("scan loads", OUR_CHUNK, sc(shared=not d.scan.shared))]
     # tiles of at most one chunk (a block_m past it would be clamped back to the default's)
     space += [("scan tile", OUR_CHUNK, sc(block_m=bm, block_s=bs, block_p=bp))
               for bm, bs, bp in ((32, 32, 64), (64, 32, 64), (64, 64, 32))
               if (bm, bs, bp) != (d.scan.block_m, d.scan.block_s, d.scan.block_p)]
-    return space
+    # each point once (around whole-chunk tiles, "scan block_h" and "scan whole chunk" meet)
+    seen = set()
+    return [p for p in space if (p[1], p[2]) not in seen and not seen.add((p[1], p[2]))]
 
 
 _CONSTANTS = {"None": None, "True": True, "False": False}

@@ -25,9 +25,8 @@ A whole-chunk tile of full chunks (:func:`scan_chunk`, ``ScanConfig.shared``) ta
 one after another instead and loads each of its tiles once. On the H200 it took chunk_scan to
 0.86x on small-state at chunk 128 (the reloads of its second row block dropped) and to
 0.92-0.94x at chunk 64 on the other model shapes (one row block a chunk: the same
-bytes, two heads one after another instead of side by side, occupancy hint 2)
-(results/h200/screening/stop28/shared-<shape>.json; not shipped until the chapters are
-re-recorded with it).
+bytes, two heads one after another instead of side by side, occupancy hint 2), in stop 28's
+screen (results/h200/screening/stop28/shared-<shape>.json).
 """
 import functools
 

@@ -113,8 +113,8 @@ class ScanConfig:
     static loop, so that each row block's column walk has a constant trip count.
     ``shared`` (whole_chunk only): where every chunk is full, the tile's ``block_h`` heads are
     walked one after another and each of its tiles of C, B, x and the entering states is loaded
-    once (C and B once for all its heads); otherwise, and without it, the row blocks reload what
-    they share and the heads sit side by side, as in the other tiles."""
+    once (C and B once for all its heads); otherwise the row blocks reload what they share and
+    the heads sit side by side, as in the other tiles."""
 
     block_h: int = 2
     block_m: int = 64
@@ -218,28 +218,31 @@ NARROW_STATE = dict(block_n=32, transposed=False)
 ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3, transposed=True)
 ONE_WAVE_CHUNK = 64
 
-# chunk_scan at chunk size 64: an occupancy hint of 2 instead of the default's 3. On sm_90 the
-# hint of 3 compiles chunk_scan at 64 to 80 registers and a 72-byte spill, the hint of 2 to 128
-# registers without one (results/compile/sm_90_resources.json), and the layout study at chunk 64
-# timed the forward 1.017-1.019x faster with it on 130m, 2.7b and codestral-7b (results/h200/
-# previous/study-ba74628.json; every study shape). At chunk 128 the same hint is the slower one
-# (the study of b1acfe0: 0.99x the speed of 3), so the rule takes it at 64 only, on the measured
-# architecture, where the default states an occupancy, and not for the whole-chunk tiles of small
-# states (the hint of 2 was not timed on them; small-state runs fastest at 128). Recorded with
-# the rule (c754dc3): the study's point at 3 took 1.012-1.014x the time, and ours at 64 over
-# mamba_ssm grew 1.013-1.024x on the four models shapes that take it (the Performance chapters).
-CHUNK64_SCAN = dict(occupancy=2)
+# chunk_scan at chunk size 64: whole-chunk tiles that load each tile once (ScanConfig.shared:
+# the block's two heads one after another, sharing C and B), with an occupancy hint of 2
+# instead of the default's 3. On sm_90 they compile to 128 registers without a spill (at 3: 80
+# and a spill; tests/test_aot.py checks the shipped one), and the H200 timed the forward at
+# 0.951-0.978x the previous default's (the same hint, two heads side by side in 64-row tiles) on
+# 130m, 2.7b, long-16k and codestral-7b, chunk_scan at 0.916-0.944x (results/h200/screening/
+# stop28/shared-<shape>.json; four heads a tile or the hint of 3 gained less or nothing). The
+# hint of 2 alone was measured before (results/h200/previous/study-ba74628.json: 1.017-1.019x
+# faster than 3 at chunk 64); at chunk 128 it is the slower one (the study of b1acfe0: 0.99x).
+# The rule takes this at 64 only, on the measured architecture, where the default states an
+# occupancy, and not for small states (their own whole-chunk tiles, below).
+CHUNK64_SCAN = dict(occupancy=2, whole_chunk=True, shared=True)
 CHUNK64 = 64
 
-# chunk_scan over a state of at most SMALL_STATE: one head per block, and each persistent tile a
-# whole chunk (ScanConfig.whole_chunk). The whole-chunk tile unrolls its row blocks; on sm_90
-# this smallest tile keeps the default's registers without spilling (tests/test_aot.py checks
-# it), where at state 128 and chunk 128 one head a tile takes more registers and two heads spill
-# more (results/compile/previous/sm_90_resources-85292b3.json), and the Performance chapters
-# measure it faster only at state 64 (at state 128 it was slower at chunk 128 and at 64, where
-# the whole-chunk tile is the default's one row block in a static loop).
+# chunk_scan over a state of at most SMALL_STATE: one head per block, each persistent tile a
+# whole chunk (ScanConfig.whole_chunk) whose tiles are loaded once (ScanConfig.shared). On sm_90
+# this tile keeps the default's 80 registers without spilling and about 70 KB of shared memory
+# at chunk 128 (tests/test_aot.py checks it). Measured on small-state (results/h200/screening/
+# stop28/shared-small-state.json): loading each tile once took chunk_scan to 0.858x and the
+# forward to 0.897x the per-row-block whole-chunk tile at chunk 128, which was itself the
+# fastest point of its study (stop 27: 1.35x faster in chunk_scan than 64-row tiles there); two
+# heads a tile gained less (0.989x with the hint of 2, which it needs not to spill). At state 128
+# the whole-chunk tile at chunk 128 takes more registers and spills (two heads: 255 and a spill).
 SMALL_STATE = 64
-SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True)
+SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
 
 
 def default_config(capability: tuple[int, int] | None = None,
@@ -252,8 +255,9 @@ def default_config(capability: tuple[int, int] | None = None,
     slices; on sm_90 at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more
     than one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
-    one head; on sm_90 at ``chunk_size`` ``CHUNK64``, chunk_scan's other tiles get the occupancy
-    hint of ``CHUNK64_SCAN``: the Performance chapters measure them on the model shapes."""
+    one head, each tile loaded once; on sm_90 at ``chunk_size`` ``CHUNK64``, the other problems'
+    chunk_scan gets the whole-chunk tiles (loaded once) and occupancy hint of ``CHUNK64_SCAN``:
+    the Performance chapters measure them on the model shapes."""
     if capability is None:
         try:
             import torch

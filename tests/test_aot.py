@@ -78,29 +78,39 @@ def small_state_scan(config=None):
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_small_state_default_compiles(arch):
     config, scan = small_state_scan()
-    # WHOLE_CHUNK reaches the kernel, SHARED does not (the default reloads per row block)
-    assert config.scan.whole_chunk and scan.args[-2:] == (True, False)
-    assert len(aot.export_cubin(scan, arch)) > 1000
-
-
-@pytest.mark.parametrize("arch", aot.ARCHS)
-def test_whole_chunk_tiles_loaded_once_compile(arch):
-    """The small-state tile with each of its tiles loaded once (ScanConfig.shared), the path a
-    whole-chunk tile of full chunks takes there: screened on the H200, not shipped yet."""
-    config, _ = small_state_scan()
-    _, scan = small_state_scan(replace(config, scan=replace(config.scan, shared=True)))
-    assert scan.args[-2:] == (True, True)   # WHOLE_CHUNK and SHARED (every chunk full here)
+    # WHOLE_CHUNK and SHARED (every chunk full here) reach the kernel
+    assert config.scan.whole_chunk and config.scan.shared and scan.args[-2:] == (True, True)
     assert len(aot.export_cubin(scan, arch)) > 1000
 
 
 def test_whole_chunk_tile_does_not_spill_where_it_ships():
     """The premise of SMALL_STATE_SCAN (ssd/config.py): on sm_90 the whole-chunk tile of one head
-    at n 64 compiles to the registers of the one-row-block tile and spills nothing."""
+    at n 64, each tile loaded once, compiles to the registers of the one-row-block tile and
+    spills nothing."""
 
     config, scan = small_state_scan()
-    _, rows = small_state_scan(replace(config, scan=replace(config.scan, whole_chunk=False)))
+    _, rows = small_state_scan(replace(config, scan=replace(config.scan, whole_chunk=False,
+                                                            shared=False)))
     whole, per_row = (aot.resource_usage(aot.export_cubin(r, "sm_90")) for r in (scan, rows))
     assert whole["stack_bytes"] == 0 and whole["registers"] == per_row["registers"]
+
+
+def test_chunk64_tile_does_not_spill_where_it_ships():
+    """The premise of CHUNK64_SCAN (ssd/config.py): on sm_90, at chunk 64 on a 2.7b-pattern
+    problem with full chunks, the whole-chunk tiles of two heads (each tile loaded once) compile
+    to the hint of 2's 128 registers without spilling."""
+    from ssd.config import CHUNK64, CHUNK64_SCAN, default_config
+
+    dims = (4, 2 * CHUNK64, 80, 64, 128, 1)
+    b, _, h, p, n, _ = dims
+    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=CHUNK64)
+    assert all(getattr(config.scan, k) == v for k, v in CHUNK64_SCAN.items())
+    records = aot.capture_forward("bfloat16", "layer", True, chunk_size=CHUNK64, config=config,
+                                  dims=dims)
+    (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
+    assert scan.args[-2:] == (True, True)
+    res = aot.resource_usage(aot.export_cubin(scan, "sm_90"))
+    assert res["stack_bytes"] == 0 and res["registers"] == 128
 
 
 def one_wave_walk(seqlen=2 * 64):

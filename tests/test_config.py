@@ -170,10 +170,11 @@ def test_whole_states_only_where_measured(monkeypatch):
 
 
 @pytest.mark.parametrize("problem", [None, (8, 24, 64, 128), (4, 80, 64, 128), (1, 80, 64, 128)])
-def test_chunk_scan_takes_occupancy_2_at_chunk_64_only(problem):
-    """chunk_scan's hint of 2 at chunk 64 (CHUNK64_SCAN), whatever stage 2 the problem takes
-    (130m: sliced, 2.7b: whole states, one sequence: narrow); not at other chunk sizes, not on
-    another architecture, not for the whole-chunk tiles of a small state."""
+def test_chunk_scan_takes_its_chunk64_tiles_at_chunk_64_only(problem):
+    """chunk_scan's whole-chunk tiles loaded once with the hint of 2 at chunk 64 (CHUNK64_SCAN),
+    whatever stage 2 the problem takes (130m: sliced, 2.7b: whole states, one sequence:
+    narrow); not at other chunk sizes, not on another architecture, not for the whole-chunk
+    tiles of a small state (one head, the default's hint)."""
     from ssd.config import CHUNK64, CHUNK64_SCAN
 
     kw = dict(problem=problem, sms=132 if problem else None)
@@ -181,11 +182,13 @@ def test_chunk_scan_takes_occupancy_2_at_chunk_64_only(problem):
     assert at64.scan == replace(default_config((9, 0), **kw).scan, **CHUNK64_SCAN)
     assert at64.state == default_config((9, 0), chunk_size=CHUNK64, **kw).state
     for q in (16, 32, 128, 256, None):
-        assert default_config((9, 0), chunk_size=q, **kw).scan.occupancy == \
-            default_config((9, 0)).scan.occupancy != CHUNK64_SCAN["occupancy"]
+        other = default_config((9, 0), chunk_size=q, **kw).scan
+        assert other.occupancy == default_config((9, 0)).scan.occupancy != CHUNK64_SCAN["occupancy"]
+        assert not other.whole_chunk and not other.shared
     assert default_config((10, 0), chunk_size=CHUNK64, **kw).scan == default_config((10, 0), **kw).scan
     small = default_config((9, 0), problem=(16, 32, 64, 64), sms=132, chunk_size=CHUNK64)
-    assert small.scan.whole_chunk and small.scan.occupancy == default_config((9, 0)).scan.occupancy
+    assert small.scan.whole_chunk and small.scan.shared and small.scan.block_h == 1
+    assert small.scan.occupancy == default_config((9, 0)).scan.occupancy
 
 
 def test_resolve_config_passes_the_chunk_size(monkeypatch):
