@@ -218,18 +218,23 @@ NARROW_STATE = dict(block_n=32, transposed=False)
 ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3, transposed=True)
 ONE_WAVE_CHUNK = 64
 
-# chunk_scan at chunk size 64: whole-chunk tiles that load each tile once (ScanConfig.shared:
-# the block's two heads one after another, sharing C and B), with an occupancy hint of 2
-# instead of the default's 3. On sm_90 they compile to 128 registers without a spill (at 3: 80
-# and a spill; tests/test_aot.py checks the shipped one), and the H200 timed the forward at
-# 0.951-0.978x the previous default's (the same hint, two heads side by side in 64-row tiles) on
-# 130m, 2.7b, long-16k and codestral-7b, chunk_scan at 0.916-0.944x (results/h200/screening/
-# stop28/shared-<shape>.json; four heads a tile or the hint of 3 gained less or nothing). The
-# hint of 2 alone was measured before (results/h200/previous/study-ba74628.json: 1.017-1.019x
-# faster than 3 at chunk 64); at chunk 128 it is the slower one (the study of b1acfe0: 0.99x).
-# The rule takes this at 64 only, on the measured architecture, where the default states an
-# occupancy, and not for small states (their own whole-chunk tiles, below).
-CHUNK64_SCAN = dict(occupancy=2, whole_chunk=True, shared=True)
+# chunk_scan at chunk size 64: whole-chunk tiles of one head that load each tile once
+# (ScanConfig.shared), with an occupancy hint of 2 instead of the default's 3. On sm_90 they
+# compile to 128 registers without a spill (at 3: 80 and a spill; tests/test_aot.py checks the
+# shipped one). Two heads a tile, one after another sharing C and B, ran the forward at
+# 0.951-0.978x the previous default's (two heads side by side in 64-row tiles) on 130m, 2.7b,
+# long-16k and codestral-7b (results/h200/screening/stop28/shared-<shape>.json), but compiled for
+# about ten seconds (9.8 s on a CPU): with the other kernels, a never-seen shape's first call at
+# chunk 64 took up to 14.6 s on the H200, over the 10 s goal (results/h200/screening/stop28/
+# models-03bab93.json). One head a tile compiles in 1.1-1.5 s on a CPU and took 1.3-1.5 s of
+# first call in the layout study of fa08fa7 (the two heads' first point, every kernel compiled,
+# 10.6-16.7 s), and it ran at 0.976-1.006x the two heads' speed in that study
+# (130m, 2.7b, codestral-7b; long-16k was not timed with it). The hint of 2 alone was measured
+# before (results/h200/previous/study-ba74628.json: 1.017-1.019x faster than 3 at chunk 64); at
+# chunk 128 it is the slower one (the study of b1acfe0: 0.99x). The rule takes this at 64 only,
+# on the measured architecture, where the default states an occupancy, and not for small states
+# (their own whole-chunk tiles, below).
+CHUNK64_SCAN = dict(block_h=1, occupancy=2, whole_chunk=True, shared=True)
 CHUNK64 = 64
 
 # chunk_scan over a state of at most SMALL_STATE: one head per block, each persistent tile a
