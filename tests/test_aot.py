@@ -115,9 +115,9 @@ print(time.perf_counter() - start)
 def test_chunk64_scan_compiles_in_seconds(dims):
     """The first-call goal (10 s for a never-seen shape, every kernel compiled) at the default
     chunk size, 64, with full chunks: the chunk_scan the default takes there compiles for sm_90 in
-    a few seconds on this CPU. Two heads a tile, loaded once, took 9.8 s here and 14.6 s of first
-    call on the H200 with the other kernels (CHUNK64_SCAN in ssd/config.py); one head's 1.1-1.5 s.
-    The bound leaves the CPU's speed a factor of three."""
+    a few seconds on this CPU. Whole-chunk tiles of two heads loaded once took 9.8 s here, and a
+    first call of 12.0-14.6 s on the H200 with the other kernels (stop 29: DESIGN.md); one head's
+    tiles 1.1-1.5 s. The bound leaves the CPU's speed a factor of three."""
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", _COMPILE_SECONDS, "64", *map(str, dims)],
