@@ -40,26 +40,6 @@ def test_chunk_scan_compiles_for_small_chunks(case, arch):
     assert len(aot.export_cubin(scan, arch)) > 1000
 
 
-@pytest.mark.parametrize("arch", aot.ARCHS)
-def test_tile_stream_kernel_compiles(arch):
-    """The benchmark's L2-ceiling kernel (ssd._tile_stream): a loop of [64, 64] bf16 tile loads
-    that the compiler pipelines (two tiles' worth of shared memory on sm_90) without spilling."""
-    import torch
-
-    from ssd import _launch, _tile_stream
-
-    src = torch.zeros(16 * 64, 64, dtype=torch.bfloat16)
-    out = torch.zeros(4 * 64, 64, dtype=torch.float32)
-    with _launch.capture() as recs:
-        _tile_stream.tile_stream(src, out, loads=64)
-    (launch,) = recs
-    assert launch.grid == (4, 1, 1) and launch.args[2:] == (16, 64)
-    res = aot.resource_usage(aot.export_cubin(launch, arch))
-    assert res["stack_bytes"] == 0
-    if arch == "sm_90":
-        assert res["shared_bytes"] >= 2 * 64 * 64 * 2
-
-
 # A state of at most SMALL_STATE: the default's chunk_scan is whole-chunk tiles of one head.
 SMALL_STATE_DIMS = (2, 256, 16, 64, 64, 1)
 

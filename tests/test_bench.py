@@ -503,3 +503,13 @@ def test_tilegym_replay_source_reads_a_recorded_tuning_run(tmp_path):
     (tmp_path / "2.7b.json").write_text(json.dumps(replayed))
     with pytest.raises(ValueError, match="no searched TileGym tuning"):  # never replay a replay
         bench.tilegym_replay_source(tmp_path, "2.7b")
+
+
+def test_first_call_shapes_reach_both_last_chunks():
+    """The first-call goal's never-seen shapes take both launcher paths at every suite chunk size:
+    a ragged last chunk and full chunks only (where whole-chunk tiles that load once may run, the
+    slowest kernel to compile; stop 29 found it missing from this suite)."""
+    for q in bench.SUITE_CHUNKS:
+        ragged = [s for s in bench.FIRST_CALL_SHAPES if s.l % q]
+        assert ragged and len(ragged) < len(bench.FIRST_CALL_SHAPES), q
+    assert not {s.name for s in bench.FIRST_CALL_SHAPES} & {s.name for v in bench.SUITES.values() for s in v}

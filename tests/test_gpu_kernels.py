@@ -285,18 +285,3 @@ def test_more_than_2_31_elements(gpu_record):
                                stage=key, rel_err=err, tol=TOL["bfloat16"],
                                x_numel=x.numel()))
         assert err <= TOL["bfloat16"], f"{key}: {err:.3e}"
-
-
-def test_tile_stream_kernel_sums_what_it_loads():
-    """The benchmark's L2-ceiling kernel (ssd._tile_stream) loads the tiles it is asked to: with
-    every tile of the buffer loaded passes times over, block i's sum is passes times the sum of
-    the tiles i, i + blocks, ... (the blocks divide the tiles here)."""
-    from ssd._tile_stream import STREAM_TILE, tile_stream
-
-    m, w = STREAM_TILE
-    tiles, blocks, passes = 48, 8, 3
-    src = torch.randint(-4, 5, (tiles * m, w), device="cuda").to(torch.bfloat16)  # exact in fp32 sums
-    out = torch.full((blocks * m, w), float("nan"), device="cuda")
-    tile_stream(src, out, loads=passes * tiles)
-    want = passes * src.float().view(tiles // blocks, blocks, m, w).sum(0).reshape(blocks * m, w)
-    assert torch.equal(out, want)
