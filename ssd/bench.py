@@ -532,7 +532,7 @@ def speedups(records, over="mamba_ssm", mode="graph", l2="flushed") -> dict:
 # The first-call suite's never-seen shapes. The launchers pick kernels by more than the dims: the
 # last chunk (ragged, or every chunk full, where whole-chunk tiles that load once may run), the
 # groups and the state size. So one shape of each: a ragged last chunk at every chunk size, four
-# groups with a small state and an odd head dim, and full chunks at 64, 128 and 256 (the models
+# groups with a small state and a head dim of 96, and full chunks at 64, 128 and 256 (the models
 # shapes' case; stop 29 found whole-chunk tiles compiling for ~10 s there, which the first two
 # never reach).
 FIRST_CALL_SHAPES = (Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1),

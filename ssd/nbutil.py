@@ -81,8 +81,8 @@ def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None) ->
 #: one that only writes the record (``env``: the environment fields and the JSON layout) and the
 #: CPU compile harness (``aot``: it exports cubins and reads their resources and SASS on a
 #: machine without a GPU; no GPU recording imports it, the kernels it compiles live elsewhere).
-# (ssd/_tile_stream.py, a benchmark ceiling kernel from stop 28 until stop 29 found it bounded
-# nothing, stays excluded so that the revisions that had it compare with those that do not.)
+#: ``ssd/_tile_stream.py``, a benchmark ceiling kernel from stop 28 until stop 29 found that it
+#: bounded nothing, stays excluded so that the revisions that had it compare with those without.
 MEASURED_CODE = ("ssd", ":(exclude)ssd/nbutil.py", ":(exclude)ssd/nbfig.py",
                  ":(exclude)ssd/notebooks.py", ":(exclude)ssd/env.py", ":(exclude)ssd/aot.py",
                  ":(exclude)ssd/_tile_stream.py")

@@ -103,7 +103,8 @@ from ssd import aot
 from ssd.config import default_config
 q = int(sys.argv[1]); b, l, h, p, n, g = map(int, sys.argv[2:8])
 config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=q)
-records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config, dims=(b, l, h, p, n, g))
+records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config,
+                              dims=(b, l, h, p, n, g))
 (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
 start = time.perf_counter()
 aot.export_cubin(scan, "sm_90")
