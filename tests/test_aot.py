@@ -81,15 +81,7 @@ def test_chunk64_tile_does_not_spill_where_it_ships():
     """The premise of CHUNK64_SCAN (ssd/config.py): on sm_90, at chunk 64 on a 2.7b-pattern
     problem with full chunks, the whole-chunk tiles of one head (each tile loaded once) compile
     to the hint of 2's 128 registers without spilling."""
-    from ssd.config import CHUNK64, CHUNK64_SCAN, default_config
-
-    dims = (4, 2 * CHUNK64, 80, 64, 128, 1)
-    b, _, h, p, n, _ = dims
-    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=CHUNK64)
-    assert all(getattr(config.scan, k) == v for k, v in CHUNK64_SCAN.items())
-    records = aot.capture_forward("bfloat16", "layer", True, chunk_size=CHUNK64, config=config,
-                                  dims=dims)
-    (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
+    scan = chunk64_scan()
     assert scan.args[-2:] == (True, True)
     res = aot.resource_usage(aot.export_cubin(scan, "sm_90"))
     assert res["stack_bytes"] == 0 and res["registers"] == 128
