@@ -72,6 +72,65 @@ def same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S):
     return seq_t[:, None] == seq_s[None, :]
 
 
+def entering_sequence(seq_last, ib, ic):
+    """Tile code: [1] the sequence running at the start of chunk ``ic``, whose state enters it
+    (0 for the first chunk)."""
+    prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
+    return ct.where(ic > 0, prev_seq.reshape((1,)), 0)
+
+
+def entering_rows(c_t, seq_idx, ib, rows, prev_seq, BLOCK_M):
+    """Tile code: the rows' sequence ids [M] (loaded once per row block: the column blocks
+    compare with them too) and C [M, N] for the entering-state MMA, zero in the rows whose
+    sequence began inside the chunk (a copy: the diagonal's C Bᵀ needs every row)."""
+    seq_t = ct.load(seq_idx, index=(ib, rows), shape=(1, BLOCK_M),
+                    padding_mode=ZERO).reshape((BLOCK_M,))
+    return seq_t, ct.where((seq_t == prev_seq)[:, None], c_t, 0.0).astype(c_t.dtype)
+
+
+def column_keep(causal, trow, js, seq_t, seq_idx, ib, ic, Q, BLOCK_M, BLOCK_S, HAS_SEQ):
+    """Tile code: [M, S] True where row t (positions ``trow`` [M] in the chunk) takes column s
+    of column block ``js``: s <= t when ``causal`` (the diagonal), one sequence when HAS_SEQ."""
+    keep = ct.full((BLOCK_M, BLOCK_S), True, dtype=ct.bool_)
+    if causal:
+        scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
+        keep = trow[:, None] >= scol[None, :]  # [M, S]
+    if HAS_SEQ:
+        keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
+    return keep
+
+
+def head_weights(cb, a_t, keep, masked, dt_out, dA_cumsum, ib, ih, ic, js, BLOCK_S):
+    """Tile code: one head's fp32 weights [M, S] = C Bᵀ 2^(a_t - a_s) dt_s of column block
+    ``js`` (``cb``: C Bᵀ [M, S]; ``a_t``: the rows' decays [M], log2 units), zero where not
+    ``keep`` when ``masked``."""
+    a_s = ct.load(dA_cumsum, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
+    a_s = a_s.reshape((BLOCK_S,)) * LOG2E  # [S]
+    dt_s = ct.load(dt_out, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S)).reshape((BLOCK_S,))
+    seg = a_t[:, None] - a_s[None, :]  # [M, S]
+    if masked:
+        # Mask the exponent, not the product: above the diagonal a_t - a_s is positive and its
+        # exp2 could overflow to inf, and inf * 0 = NaN.
+        seg = ct.where(keep, seg, -float("inf"))
+    # flush_to_zero: a weight below 2^-126 is invisible beside the others in an fp32 sum that
+    # ends in bf16, and without it every exp2 carries a compare and two multiplies that scale
+    # subnormal results.
+    return cb * ct.exp2(seg, flush_to_zero=True) * dt_s[None, :]
+
+
+def finish_rows(acc, x_t, z, D, y, ib, rows, ih, ip, BLOCK_M, BLOCK_P, HAS_D, D_PER_HEAD,
+                HAS_Z):
+    """Tile code: the skip connection (``x_t``: the rows' x [M, P]) and the gate, in fp32, then
+    the store of one head's rows ``rows`` of y."""
+    if HAS_D:
+        acc = acc + x_t.astype(ct.float32) * skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD)
+    if HAS_Z:
+        z_t = head_rows(z, ib, rows, ih, ip, BLOCK_M, BLOCK_P).astype(ct.float32)
+        acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
+    ct.store(y, index=(ib, rows, ih, ip),
+             tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))
+
+
 def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, dA_cumsum,
                  seq_t, seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY):
     """Tile code: column block ``js`` for each head j of the block (``a_ts``: the rows' decays
@@ -83,27 +142,12 @@ def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, 
                   padding_mode=ZERO, latency=LATENCY)
     b_s = b_s.reshape((BLOCK_S, N_PAD)).astype(x.dtype)  # [S, N]
     cb = ct.mma(c_t, ct.transpose(b_s), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))  # [M, S]
-    # Mask the exponent, not the product: above the diagonal a_t - a_s is positive and its
-    # exp2 could overflow to inf, and inf * 0 = NaN.
-    keep = ct.full((BLOCK_M, BLOCK_S), True, dtype=ct.bool_)
-    if causal:
-        scol = js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32)  # [S]
-        keep = trow[:, None] >= scol[None, :]  # [M, S]
-    if HAS_SEQ:
-        keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
+    keep = column_keep(causal, trow, js, seq_t, seq_idx, ib, ic, Q, BLOCK_M, BLOCK_S, HAS_SEQ)
     ws, xs = (), ()
     for j in ct.static_iter(range(BLOCK_H)):
         ih = jh * BLOCK_H + j
-        a_s = ct.load(dA_cumsum, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
-        a_s = a_s.reshape((BLOCK_S,)) * LOG2E  # [S]
-        dt_s = ct.load(dt_out, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S)).reshape((BLOCK_S,))
-        seg = a_ts[j][:, None] - a_s[None, :]  # [M, S]
-        if causal or HAS_SEQ:
-            seg = ct.where(keep, seg, -float("inf"))
-        # flush_to_zero: a weight below 2^-126 is invisible beside the others in an fp32 sum
-        # that ends in bf16, and without it every exp2 carries a compare and two multiplies that
-        # scale subnormal results.
-        w = cb * ct.exp2(seg, flush_to_zero=True) * dt_s[None, :]  # [M, S]
+        w = head_weights(cb, a_ts[j], keep, causal or HAS_SEQ, dt_out, dA_cumsum, ib, ih, ic, js,
+                         BLOCK_S)
         ws += (w.astype(x.dtype),)
         xs += (head_rows(x, ib, ic * s_per_chunk + js, ih, ip, BLOCK_S, BLOCK_P, LATENCY),)
     return ws, xs
@@ -131,15 +175,8 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
         c_t = ct.load(C, index=(ib, rows, ig, 0), shape=(1, BLOCK_M, 1, N_PAD), padding_mode=ZERO)
         c_t = c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype)  # [M, N], also the diagonal's
         if HAS_SEQ:
-            # The rows' sequence ids, once per tile (the column blocks compare with them too),
-            # and the sequence running at the chunk start, whose state enters the chunk.
-            seq_t = ct.load(seq_idx, index=(ib, rows), shape=(1, BLOCK_M),
-                            padding_mode=ZERO).reshape((BLOCK_M,))
-            prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
-            prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
-            # Rows whose sequence began inside the chunk take no entering state: zero their C
-            # for that MMA (a copy: the diagonal's C Bᵀ needs every row).
-            c_in = ct.where((seq_t == prev_seq)[:, None], c_t, 0.0).astype(x.dtype)
+            seq_t, c_in = entering_rows(c_t, seq_idx, ib, rows, entering_sequence(seq_last, ib, ic),
+                                        BLOCK_M)
         else:
             seq_t = ct.zeros((BLOCK_M,), dtype=ct.int32)  # unread without HAS_SEQ
             c_in = c_t
@@ -187,15 +224,8 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
 
         # 3. The skip connection and the gate, in fp32; the store, per head.
         for j in ct.static_iter(range(BLOCK_H)):
-            ih = jh * BLOCK_H + j
-            acc = accs[j]
-            if HAS_D:
-                acc = acc + x_ts[j].astype(ct.float32) * skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD)
-            if HAS_Z:
-                z_t = head_rows(z, ib, rows, ih, ip, BLOCK_M, BLOCK_P).astype(ct.float32)
-                acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
-            ct.store(y, index=(ib, rows, ih, ip),
-                     tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))
+            finish_rows(accs[j], x_ts[j] if HAS_D else None, z, D, y, ib, rows, jh * BLOCK_H + j,
+                        ip, BLOCK_M, BLOCK_P, HAS_D, D_PER_HEAD, HAS_Z)
 
 
 def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
@@ -219,10 +249,9 @@ def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, s
     m_tiles = Q // BLOCK_M
     s_tiles = Q // BLOCK_S
     s_per_m = BLOCK_M // BLOCK_S
-    prev_seq = ct.zeros((1,), dtype=ct.int32)  # the sequence whose state enters the chunk
+    prev_seq = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ
     if HAS_SEQ:
-        prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
-        prev_seq = ct.where(ic > 0, prev_seq.reshape((1,)), 0)
+        prev_seq = entering_sequence(seq_last, ib, ic)
     # C's row blocks [M, N] and B's column blocks [S, N], each loaded once by the first head
     # (in the static loops below, column block js is new where it is diagonal: js >= im * s_per_m)
     cs, bs = (), ()
@@ -238,11 +267,11 @@ def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, s
                               padding_mode=ZERO)
                 cs += (c_t.reshape((BLOCK_M, N_PAD)).astype(x.dtype),)
             rows = ic * m_tiles + im  # the row block, in BLOCK_M tiles of the sequence
+            trow = im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32)  # [M] position in chunk
             seq_t = ct.zeros((BLOCK_M,), dtype=ct.int32)  # unread without HAS_SEQ
             c_in = cs[im]
-            if HAS_SEQ:  # rows whose sequence began inside the chunk take no entering state
-                seq_t = ct.load(seq_idx, index=(ib, rows), shape=(1, BLOCK_M)).reshape((BLOCK_M,))
-                c_in = ct.where((seq_t == prev_seq)[:, None], c_in, 0.0).astype(x.dtype)
+            if HAS_SEQ:
+                seq_t, c_in = entering_rows(c_in, seq_idx, ib, rows, prev_seq, BLOCK_M)
             a_t = ct.load(dA_cumsum, index=(ib, ih, ic, im), shape=(1, 1, 1, BLOCK_M))
             a_t = a_t.reshape((BLOCK_M,)) * LOG2E  # [M], log2 units
             acc = ct.mma(c_in, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
@@ -256,31 +285,19 @@ def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, s
                 if causal:
                     xs += (head_rows(x, ib, ic * s_tiles + js, ih, ip, BLOCK_S, BLOCK_P, LATENCY),)
                 cb = ct.mma(cs[im], ct.transpose(bs[js]), ct.zeros((BLOCK_M, BLOCK_S), dtype=ct.float32))
-                a_s = ct.load(dA_cumsum, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
-                seg = a_t[:, None] - a_s.reshape((BLOCK_S,))[None, :] * LOG2E  # [M, S]
-                if causal or HAS_SEQ:
-                    keep = ct.full((BLOCK_M, BLOCK_S), True, dtype=ct.bool_)
-                    if causal:
-                        keep = ((im * BLOCK_M + ct.arange(BLOCK_M, dtype=ct.int32))[:, None]
-                                >= (js * BLOCK_S + ct.arange(BLOCK_S, dtype=ct.int32))[None, :])
-                    if HAS_SEQ:
-                        keep = keep & same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S)
-                    seg = ct.where(keep, seg, -float("inf"))  # the exponent, as in column_block
-                dt_s = ct.load(dt_out, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
-                dt_s = dt_s.reshape((BLOCK_S,))
-                w = cb * ct.exp2(seg, flush_to_zero=True) * dt_s[None, :]  # [M, S]
+                keep = column_keep(causal, trow, js, seq_t, seq_idx, ib, ic, Q, BLOCK_M, BLOCK_S,
+                                   HAS_SEQ)
+                w = head_weights(cb, a_t, keep, causal or HAS_SEQ, dt_out, dA_cumsum, ib, ih, ic,
+                                 js, BLOCK_S)
                 acc = ct.mma(w.astype(x.dtype), xs[js], acc)
+            x_t = None  # unread without HAS_D
             if HAS_D:
                 if BLOCK_S == BLOCK_M:
                     x_t = xs[im]  # the diagonal column block is the row block's own x
                 else:
                     x_t = head_rows(x, ib, rows, ih, ip, BLOCK_M, BLOCK_P)
-                acc = acc + x_t.astype(ct.float32) * skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD)
-            if HAS_Z:
-                z_t = head_rows(z, ib, rows, ih, ip, BLOCK_M, BLOCK_P).astype(ct.float32)
-                acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
-            ct.store(y, index=(ib, rows, ih, ip),
-                     tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))
+            finish_rows(acc, x_t, z, D, y, ib, rows, ih, ip, BLOCK_M, BLOCK_P, HAS_D, D_PER_HEAD,
+                        HAS_Z)
 
 
 @functools.lru_cache(maxsize=None)
