@@ -220,20 +220,19 @@ ONE_WAVE_CHUNK = 64
 
 # chunk_scan at chunk size 64: whole-chunk tiles of one head that load each tile once
 # (ScanConfig.shared), with an occupancy hint of 2 instead of the default's 3. On sm_90 they
-# compile to 128 registers without a spill (at 3: 80 and a spill; tests/test_aot.py checks the
-# shipped one). Two heads a tile, one after another sharing C and B, ran the forward at
-# 0.951-0.978x the previous default's (two heads side by side in 64-row tiles) on 130m, 2.7b,
-# long-16k and codestral-7b (results/h200/screening/stop28/shared-<shape>.json), but compiled for
-# about ten seconds (9.8 s on a CPU): with the other kernels, a never-seen shape's first call at
-# chunk 64 took up to 14.6 s on the H200, over the 10 s goal (results/h200/screening/stop28/
-# models-03bab93.json). One head a tile compiles in 1.1-1.5 s on a CPU and took 1.3-1.5 s of
-# first call in the layout study of fa08fa7 (the two heads' first point, every kernel compiled,
-# 10.6-16.7 s), and it ran at 0.976-1.006x the two heads' speed in that study
-# (130m, 2.7b, codestral-7b; long-16k was not timed with it). The hint of 2 alone was measured
-# before (results/h200/previous/study-ba74628.json: 1.017-1.019x faster than 3 at chunk 64); at
-# chunk 128 it is the slower one (the study of b1acfe0: 0.99x). The rule takes this at 64 only,
-# on the measured architecture, where the default states an occupancy, and not for small states
-# (their own whole-chunk tiles, below).
+# compile to 128 registers without a spill in about 1.2 s on a CPU (tests/test_aot.py checks
+# both). Two heads a tile, one after another sharing C and B, ran the forward at 0.951-0.978x
+# the previous default's (two heads side by side in 64-row tiles) on 130m, 2.7b, long-16k and
+# codestral-7b (results/h200/screening/stop28/shared-<shape>.json), and at 0.974-0.995x the time
+# of one head in the layout study of a1ae9ed (results/h200/study.json); the hint of 3 with one
+# head (80 registers, no spill) at 0.976-1.009x. But both compile for about 7 s on a CPU, and
+# with two heads a never-seen shape's first call at chunk 64 took up to 14.6 s on the H200, over
+# the 10 s goal (results/h200/previous/models-03bab93.json); with one head at 2 it took at most
+# 3.9 s (results/h200/models.json). The hint of 2 alone was measured before
+# (results/h200/previous/study-ba74628.json: 1.017-1.019x faster than 3 at chunk 64, 64-row
+# tiles); at chunk 128 it is the slower one (the study of b1acfe0: 0.99x). The rule takes this at
+# 64 only, on the measured architecture, where the default states an occupancy, and not for
+# small states (their own whole-chunk tiles, below).
 CHUNK64_SCAN = dict(block_h=1, occupancy=2, whole_chunk=True, shared=True)
 CHUNK64 = 64
 
@@ -246,6 +245,9 @@ CHUNK64 = 64
 # fastest point of its study (stop 27: 1.35x faster in chunk_scan than 64-row tiles there); two
 # heads a tile gained less (0.989x with the hint of 2, which it needs not to spill). At state 128
 # the whole-chunk tile at chunk 128 takes more registers and spills (two heads: 255 and a spill).
+# The rule was measured at chunk 64 and 128 only; at 256 it lost: small-state took 0.290 ms in
+# a1ae9ed's models run against 0.201 ms with the tiles that reload per row block (c754dc3's), and
+# its tile there compiles to 168 registers and a spill (the Performance chapters).
 SMALL_STATE = 64
 SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
 
