@@ -220,13 +220,14 @@ ONE_WAVE_CHUNK = 64
 
 # chunk_scan at chunk size 64: whole-chunk tiles of one head that load each tile once
 # (ScanConfig.shared), with an occupancy hint of 2 instead of the default's 3. On sm_90 they
-# compile to 128 registers without a spill in about 1.2 s on a CPU (tests/test_aot.py checks
-# both). Two heads a tile, one after another sharing C and B, ran the forward at 0.951-0.978x
-# the previous default's (two heads side by side in 64-row tiles) on 130m, 2.7b, long-16k and
-# codestral-7b (results/h200/screening/stop28/shared-<shape>.json), and at 0.974-0.995x the time
-# of one head in the layout study of a1ae9ed (results/h200/study.json); the hint of 3 with one
-# head (80 registers, no spill) at 0.976-1.009x. But both compile for about 7 s on a CPU, and
-# with two heads a never-seen shape's first call at chunk 64 took up to 14.6 s on the H200, over
+# compile to 128 registers without a spill in 1.2-1.4 s on a CPU (tests/test_aot.py checks
+# both; results/compile/sm_90_resources.json). Two heads a tile, one after another sharing C and
+# B, ran the forward at 0.951-0.978x the previous default's (two heads side by side in 64-row
+# tiles) on 130m, 2.7b, long-16k and codestral-7b (results/h200/screening/stop28/
+# shared-<shape>.json), and at 0.974-0.995x the time of one head in the layout study of a1ae9ed
+# (results/h200/study.json); the hint of 3 with one head (80 registers, no spill) at
+# 0.976-1.009x. But both compile for 6-9 s on a CPU, and with two heads a never-seen shape's
+# first call at chunk 64 took up to 14.6 s on the H200, over
 # the 10 s goal (results/h200/previous/models-03bab93.json); with one head at 2 it took at most
 # 3.9 s (results/h200/models.json). The hint of 2 alone was measured before
 # (results/h200/previous/study-ba74628.json: 1.017-1.019x faster than 3 at chunk 64, 64-row
