@@ -154,8 +154,9 @@ def test_one_wave_stage2_fits_three_blocks_a_sm():
 
 
 def chunk64_scan():
-    """chunk_scan as the default takes it at chunk 64 (CHUNK64_SCAN's occupancy hint of 2) on a
-    2.7b-pattern problem, captured at its array properties."""
+    """chunk_scan as the default takes it at chunk 64 (CHUNK64_SCAN: whole-chunk tiles of one
+    head, loaded once, occupancy hint 2) on a 2.7b-pattern problem, captured at its array
+    properties."""
     from ssd.config import CHUNK64, CHUNK64_SCAN, default_config
 
     b, h, p, n = 4, 80, 64, 128
