@@ -1,0 +1,20 @@
+"""Screen: stage 1's heads per block (CumsumConfig.block_h, 8 since it was written, never in the
+layout study) at 16, 32 and 64 on the five models shapes at chunk 64, each against the default
+(argv[1] = out). Stage 1 takes 7-16 us of the forward; its [64, 8] loads of bf16 dt (b, l, h)
+read 16 B of each 32 B sector."""
+import sys
+from dataclasses import replace
+
+from screen import run
+from ssd import bench
+from ssd.config import CumsumConfig, default_config
+
+
+def space(shape, sms):
+    b, l, h, p, n, g = shape.dims
+    d = default_config((9, 0), problem=(b, h, p, n), sms=sms, chunk_size=64)
+    return [("default", 64, d)] + [(f"cumsum block_h={v}", 64, replace(d, cumsum=CumsumConfig(block_h=v)))
+                                   for v in (16, 32, 64)]
+
+
+run([s.name for s in bench.SUITES["models"]], space, sys.argv[1])
