@@ -47,8 +47,8 @@ WHOLE = SSDConfig(scan=ScanConfig(**SMALL_STATE_SCAN))
 # The default's stage 2 where 64-wide slices need a second wave: the whole state (up to 128)
 # per block, 32 positions a K step.
 ONEWAVE = SSDConfig(state=StateConfig(**ONE_WAVE_STATE))
-# The default's chunk_scan at chunk 64: an occupancy hint of 2 (the compiler's other register
-# budget: 128 registers, no spill on sm_90).
+# The default's chunk_scan at chunk 64: whole-chunk tiles of one head, each tile loaded once, at
+# the occupancy hint of 2 (the compiler's other register budget: 128 registers, no spill on sm_90).
 SCAN64 = SSDConfig(scan=ScanConfig(**CHUNK64_SCAN))
 NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE,
              SCAN64=SCAN64)
