@@ -5,9 +5,7 @@ layer's features), carry 1 (what ships) and 4."""
 import collections
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import replace
 
 from ssd import aot
@@ -19,13 +17,8 @@ DIMS = (2, 512, 4, 64, 128, 1)  # (b, l, h, p, n, g): full chunks of 64, one gro
 
 
 def counts(cubin):
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([aot.cuobjdump(), "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
     ops = collections.Counter()
-    for line in text.splitlines():
+    for line in aot.sass(cubin).splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
             ops[m.group(2).split(".")[0]] += 1

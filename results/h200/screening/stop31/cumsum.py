@@ -5,14 +5,13 @@ read 16 B of each 32 B sector."""
 import sys
 from dataclasses import replace
 
-from screen import run
+from screen import run, shipped
 from ssd import bench
-from ssd.config import CumsumConfig, default_config
+from ssd.config import CumsumConfig
 
 
 def space(shape, sms):
-    b, l, h, p, n, g = shape.dims
-    d = default_config((9, 0), problem=(b, h, p, n), sms=sms, chunk_size=64)
+    d = shipped(shape, sms, 64)
     return [("default", 64, d)] + [(f"cumsum block_h={v}", 64, replace(d, cumsum=CumsumConfig(block_h=v)))
                                    for v in (16, 32, 64)]
 

@@ -4,8 +4,16 @@ named "default") and :func:`run` times them on the named models shapes in one pr
 (``ssd.bench.run_study``: graph replay, L2 flushed, each kernel alone too), writes the file, and
 prints each point's time as a multiple of its shape's default."""
 import json
+from dataclasses import replace
 
 from ssd import bench
+
+
+def shipped(shape, sms, chunk_size, **scan):
+    """What the API ships for ``shape`` at ``chunk_size`` (``bench.shape_default``), with the
+    ScanConfig fields ``scan`` changed."""
+    d = bench.shape_default(shape.dims, sms, chunk_size=chunk_size)
+    return replace(d, scan=replace(d.scan, **scan))
 
 
 def run(names, space, out, reps=20):

@@ -5,21 +5,16 @@ rule SMALL_STATE_SCAN was screened at 64 and 128 only. Points: 128 and 256 as sh
 occupancy hint of 2; at 256 also c754dc3's whole-chunk tiles that reload (not shared) and
 64-row tiles (neither)."""
 import sys
-from dataclasses import replace
 
-from screen import run
-from ssd.config import default_config
+from screen import run, shipped
 
 
 def space(shape, sms):
-    b, l, h, p, n, g = shape.dims
-    shipped = lambda q: default_config((9, 0), problem=(b, h, p, n), sms=sms, chunk_size=q)  # noqa: E731
-    sc = lambda q, **kw: replace(shipped(q), scan=replace(shipped(q).scan, **kw))  # noqa: E731
-    return [("default", 64, shipped(64)), ("q128 shipped", 128, shipped(128)),
-            ("q128 sh h1 o2", 128, sc(128, occupancy=2)),
-            ("q256 shipped", 256, shipped(256)), ("q256 sh h1 o2", 256, sc(256, occupancy=2)),
-            ("q256 wc h1 o3", 256, sc(256, shared=False)),
-            ("q256 rows h1 o3", 256, sc(256, shared=False, whole_chunk=False))]
+    at = lambda q, **scan: (q, shipped(shape, sms, q, **scan))  # noqa: E731
+    return [("default", *at(64)), ("q128 shipped", *at(128)), ("q128 sh h1 o2", *at(128, occupancy=2)),
+            ("q256 shipped", *at(256)), ("q256 sh h1 o2", *at(256, occupancy=2)),
+            ("q256 wc h1 o3", *at(256, shared=False)),
+            ("q256 rows h1 o3", *at(256, shared=False, whole_chunk=False))]
 
 
 run(["small-state"], space, sys.argv[1])
