@@ -9,7 +9,8 @@ BOOK_VENV ?= .venv-book
 # torch goes into .venv first, on its own. Tests need only a CPU build: where pip's find-links
 # (PIP_FIND_LINKS or pip config) offer one for this Python, take it; PyPI's default build is a
 # CUDA build of several GB, and some releases pin CUDA toolkit wheels that clash with
-# cuda-tile[tileiras]. Override with: make test TORCH='torch==2.13.0' (any pip argument).
+# cuda-tile[tileiras]. Override with pip arguments, e.g. make test TORCH='torch==2.13.0' or
+# make test TORCH='torch --index-url https://download.pytorch.org/whl/cpu'.
 FIND_LINKS = $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 PYTAG      = $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
 TORCH     ?= $(or $(firstword $(wildcard $(addsuffix /torch-*+cpu-$(PYTAG)-*.whl,$(FIND_LINKS)))),torch)
@@ -41,7 +42,7 @@ test-book: $(VENV)/.stamp
 $(VENV)/.stamp: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q '$(TORCH)'
+	$(VENV)/bin/python -m pip install -q $(TORCH)
 	$(VENV)/bin/python -m pip install -q -e '.[test,book]'
 	touch $@
 
