@@ -11,24 +11,25 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from ssd import bench
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stop31"))  # screen.py
-from screen import run  # noqa: E402
+from screen import run, shipped  # noqa: E402
 
 
 def term(shape, sms, q, **state):
-    d = bench.shape_default(shape.dims, sms, chunk_size=q)
+    """What the API ships for ``shape`` at ``q`` with stage 2 storing the term (and ``state``'s
+    other StateConfig fields changed)."""
+    d = shipped(shape, sms, q)
     return replace(d, state=replace(d.state, entering="term", **state))
 
 
 def space(shape, sms):
-    return [("default", 64, bench.shape_default(shape.dims, sms, chunk_size=64)),
+    return [("default", 64, shipped(shape, sms, 64)),
             ("term", 64, term(shape, sms, 64)),
             ("term o3 k32", 64, term(shape, sms, 64, occupancy=3, block_k=32)),
             ("term p32", 64, term(shape, sms, 64, block_p=32)),
             ("term p16", 64, term(shape, sms, 64, block_p=16)),
             ("q128 term p32", 128, term(shape, sms, 128, block_p=32))]
+
 
 if __name__ == "__main__":
     run(sys.argv[2].split(","), space, sys.argv[1])

@@ -6,14 +6,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stop31"))  # screen.py
-from screen import run  # noqa: E402
+from screen import run, shipped  # noqa: E402
 from term import term  # noqa: E402
-
-from ssd import bench  # noqa: E402
 
 
 def space(shape, sms):
-    return [("default", 64, bench.shape_default(shape.dims, sms, chunk_size=64)),
+    return [("default", 64, shipped(shape, sms, 64)),
             ("term", 64, term(shape, sms, 64)),
             ("term nt o3 k32", 64, term(shape, sms, 64, transposed=False, occupancy=3, block_k=32)),
             ("term nt o3 k32 p32", 64, term(shape, sms, 64, transposed=False, occupancy=3,
