@@ -141,7 +141,9 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
             so that an element a kernel fails to write is caught).
     Returns:
         dict with dt_out, dA_cumsum (b, h, c, q) fp32; states (b, c, h, p, n) fp32 (split
-        stage 2 only); prev_states (b, c, h, p, n); final_states (b, h, p, n) fp32;
+        stage 2 only); prev_states (b, c, h, p, n), with ``StateConfig.groups > 1`` from each
+        group's start, then also chunk_decay (b, h, c) fp32 and group_enter (b, G, h, p, n)
+        (:class:`ssd.state_passing.Groups`); final_states (b, h, p, n) fp32;
         y (b, l, h, p) in x's dtype.
     """
     config = resolve_config(config, chunk_size, x, B)
@@ -155,7 +157,15 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     r["dt_out"], r["dA_cumsum"] = _cumsum.chunk_cumsum(
         dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
         config=config.cumsum, out=_pair(out, "dt_out", "dA_cumsum"))
-    if config.state.fused:
+    groups = None
+    if config.state.fused and config.state.groups > 1:
+        r["prev_states"], r["final_states"], groups = _passing.grouped_chunk_state_passing(
+            B, x, r["dt_out"], r["dA_cumsum"], initial_states=initial_states, seq_idx=seq_idx,
+            seq_last=seq_last, config=config.state,
+            out=_pair(out, "prev_states", "final_states") and (
+                out["prev_states"], out["final_states"], out.get("chunk_decay"), out.get("group_enter")))
+        r["chunk_decay"], r["group_enter"] = groups.chunk_decay, groups.group_enter
+    elif config.state.fused:
         r["prev_states"], r["final_states"] = _passing.chunk_state_passing(
             B, x, r["dt_out"], r["dA_cumsum"], initial_states=initial_states, seq_idx=seq_idx,
             seq_last=seq_last, config=config.state, out=_pair(out, "prev_states", "final_states"))
@@ -168,7 +178,7 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
             config=config.state, out=_pair(out, "prev_states", "final_states"))
     r["y"] = _scan.chunk_scan(B, C, x, r["dt_out"], r["dA_cumsum"], r["prev_states"], D=D, z=z,
                               seq_idx=seq_idx, seq_last=seq_last, config=config.scan,
-                              out=out.get("y"))
+                              out=out.get("y"), groups=groups)
     return r
 
 

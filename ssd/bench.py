@@ -308,7 +308,15 @@ def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
     t["chunk_cumsum"] = time_fn(lambda: chunk_cumsum.chunk_cumsum(
         dt, A, chunk_size, dt_bias=bias, dt_softplus=True, config=config.cumsum),
         mode="eager", reps=reps)["median_ms"]
-    if config.state.fused:
+    groups = None
+    if config.state.groups > 1:  # both kernels of the grouped walk
+        groups = state_passing.Groups(r["chunk_decay"], r["group_enter"],
+                                      state_passing.chunks_per_group(r["dA_cumsum"].shape[2],
+                                                                     config.state.groups))
+        t["chunk_state+state_passing"] = time_fn(lambda: state_passing.grouped_chunk_state_passing(
+            B, x, r["dt_out"], r["dA_cumsum"], config=config.state), mode="eager",
+            reps=reps)["median_ms"]
+    elif config.state.fused:
         t["chunk_state+state_passing"] = time_fn(lambda: state_passing.chunk_state_passing(
             B, x, r["dt_out"], r["dA_cumsum"], config=config.state), mode="eager",
             reps=reps)["median_ms"]
@@ -319,7 +327,8 @@ def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
         t["state_passing"] = time_fn(lambda: state_passing.state_passing(
             r["states"], r["dA_cumsum"], config=config.state), mode="eager", reps=reps)["median_ms"]
     t["chunk_scan"] = time_fn(lambda: chunk_scan.chunk_scan(
-        B, C, x, r["dt_out"], r["dA_cumsum"], r["prev_states"], D=D, config=config.scan),
+        B, C, x, r["dt_out"], r["dA_cumsum"], r["prev_states"], D=D, config=config.scan,
+        groups=groups),
         mode="eager", reps=reps)["median_ms"]
     return t
 
@@ -603,8 +612,8 @@ def config_space(dims=None, sms: int | None = None):
     second wave), so that the study times what ships and every factor changes one thing of it.
     The first triple is that default. The factors: the chunk size (given ``dims``,
     what the API picks at each); stage 2 (fused or split, entering-state dtype, the state
-    slice ``block_n``, its layout, the narrow slices of few-block problems, the occupancy
-    hint); chunk_scan (heads per block, occupancy hint, persistent or one block per tile,
+    slice ``block_n``, its layout, the narrow slices of few-block problems, other counts of chunk
+    groups where the default walks groups, the occupancy hint); chunk_scan (heads per block, occupancy hint, persistent or one block per tile,
     whole-chunk tiles of one or two heads, loaded once or per row block, tile shape); for each
     stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8 worker warps
     instead of the compiler's 4).
@@ -612,7 +621,7 @@ def config_space(dims=None, sms: int | None = None):
     A point is built by applying its factor's values to the shape's default, so where the
     default differs it carries that difference (on 2.7b every chunk-64 stage-2 point has its
     whole-state block_k and occupancy), except the narrow slices, which are the API's own
-    (absent where the shape ships them: long-16k). No point repeats another, or the default.
+    (absent where the shape ships them). No point repeats another, or the default.
     """
 
     def shipped(q):
@@ -624,7 +633,7 @@ def config_space(dims=None, sms: int | None = None):
     sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
     space = [("default", OUR_CHUNK, d)]
     space += [("chunk size", q, shipped(q)) for q in SUITE_CHUNKS if q != OUR_CHUNK]
-    space += [("stage 2 split", OUR_CHUNK, st(fused=False))]
+    space += [("stage 2 split", OUR_CHUNK, st(fused=False, groups=1))]
     space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
     space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 32, 64, 128)
               if v != d.state.block_n]
@@ -633,6 +642,9 @@ def config_space(dims=None, sms: int | None = None):
     # state, not on a shape's own (2.7b's whole states), and only where the shape does not ship them
     narrow = replace(default_config((9, 0), chunk_size=OUR_CHUNK).state, **NARROW_STATE)
     space += [("state narrow", OUR_CHUNK, replace(d, state=narrow))] if narrow != d.state else []
+    # where the default walks groups of chunks (few sequences), other group counts
+    space += [("state groups", OUR_CHUNK, st(groups=v)) for v in (1, 2, 8)
+              if d.state.groups > 1 and v != d.state.groups]
     space += [("state occupancy", OUR_CHUNK, st(occupancy=v)) for v in (None, 1, 2, 8)
               if v != d.state.occupancy]
     space += [("state hints", OUR_CHUNK, st(latency=2)), ("state hints", OUR_CHUNK, st(warps=8))]
@@ -720,11 +732,11 @@ def _hints_label(stage) -> str:
 def config_label(q, cfg: SSDConfig) -> str:
     st, sc = cfg.state, cfg.scan
     dtype = {"input": "in", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[st.state_dtype]
-    # Fields the study keeps at their defaults appear only when changed (k16, sp32, ch4).
+    # Fields the study keeps at their defaults appear only when changed (k16, sp32, ch4, g4).
     d = SSDConfig()
     extra = "".join(f" {tag}{v}" for tag, v, dv in (
         ("k", st.block_k, d.state.block_k), ("sp", st.block_p, d.state.block_p),
-        ("ch", cfg.cumsum.block_h, d.cumsum.block_h)) if v != dv)
+        ("ch", cfg.cumsum.block_h, d.cumsum.block_h), ("g", st.groups, d.state.groups)) if v != dv)
     flags = lambda pairs: "".join(f" {tag}" for tag, on in pairs if on)  # noqa: E731
     st_flags = flags((("T", st.transposed and st.fused),))  # the split kernels ignore it
     sc_extra = flags((("pers", sc.persistent), ("wc", sc.whole_chunk), ("sh", sc.shared)))

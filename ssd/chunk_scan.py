@@ -56,6 +56,21 @@ def head_rows(arr, ib, l_tile, ih, ip, BLOCK_T, BLOCK_P, LATENCY=None):
     return t.reshape((BLOCK_T, BLOCK_P))
 
 
+def entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip, chunks_per_group,
+                   BLOCK_P, N_PAD, GROUPED, dtype):
+    """Tile code: the state entering chunk ``ic`` of head ``ih`` [P, N] in ``dtype`` (the MMA's).
+    GROUPED: stage 2 stored the state from the chunk's group start; the group's entering state,
+    carried to the chunk (chunk_decay), completes it."""
+    prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
+                   padding_mode=ZERO).reshape((BLOCK_P, N_PAD))
+    if GROUPED:
+        enter = ct.load(group_enter, index=(ib, ic // chunks_per_group, ih, ip, 0),
+                        shape=(1, 1, 1, BLOCK_P, N_PAD), padding_mode=ZERO)
+        d = ct.load(chunk_decay, index=(ib, ih, ic), shape=(1, 1, 1)).reshape((1, 1))
+        prev = prev.astype(ct.float32) + enter.reshape((BLOCK_P, N_PAD)).astype(ct.float32) * d
+    return prev.astype(dtype)
+
+
 def mma_heads(ws, xs, accs, BLOCK_H):
     """Tile code: acc_j += w_j x_j for each head j of the block: BLOCK_H 2-D MMAs."""
     out = ()
@@ -153,9 +168,10 @@ def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, 
     return ws, xs
 
 
-def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
-              seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-              N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, LATENCY, STATIC_ROWS=False):
+def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, chunk_decay, group_enter, D, z,
+              seq_idx, seq_last, y, seqlen, nchunks, heads_per_group, p_tiles, chunks_per_group,
+              Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ,
+              GROUPED, LATENCY, STATIC_ROWS=False):
     """Tile code: compute and store y for one output tile: rows ``im*BLOCK_M ...`` of chunk
     ``bc % nchunks`` of batch row ``bc // nchunks``, channels ``(hp % p_tiles)*BLOCK_P ...`` of
     the ``BLOCK_H`` heads of head block ``hp // p_tiles``. One tile per block in the default
@@ -187,9 +203,8 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
             ih = jh * BLOCK_H + j
             a_t = ct.load(dA_cumsum, index=(ib, ih, ic, im), shape=(1, 1, 1, BLOCK_M))
             a_t = a_t.reshape((BLOCK_M,)) * LOG2E  # [M], log2 units
-            prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
-                           padding_mode=ZERO)
-            prev = prev.reshape((BLOCK_P, N_PAD)).astype(x.dtype)  # MMA in input dtype
+            prev = entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip,
+                                  chunks_per_group, BLOCK_P, N_PAD, GROUPED, x.dtype)  # MMA in input dtype
             acc = ct.mma(c_in, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
             a_ts += (a_t,)
             accs += (acc * ct.exp2(a_t)[:, None],)  # decay from the chunk start, <= 1
@@ -228,9 +243,10 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx
                         ip, BLOCK_M, BLOCK_P, HAS_D, D_PER_HEAD, HAS_Z)
 
 
-def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y,
-               seqlen, nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P,
-               N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, LATENCY):
+def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, chunk_decay, group_enter, D, z,
+               seq_idx, seq_last, y, seqlen, nchunks, heads_per_group, p_tiles, chunks_per_group,
+               Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ,
+               GROUPED, LATENCY):
     """Tile code: y for every row of one full chunk, ``bc`` as in :func:`scan_tile`, for the
     ``BLOCK_H`` heads of head block ``hp // p_tiles`` one after another (a whole-chunk tile).
 
@@ -257,9 +273,8 @@ def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, s
     cs, bs = (), ()
     for j in ct.static_iter(range(BLOCK_H)):
         ih = jh * BLOCK_H + j
-        prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
-                       padding_mode=ZERO)
-        prev = prev.reshape((BLOCK_P, N_PAD)).astype(x.dtype)  # [P, N]
+        prev = entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip,
+                              chunks_per_group, BLOCK_P, N_PAD, GROUPED, x.dtype)  # [P, N]
         xs = ()  # this head's x column blocks [S, P]
         for im in ct.static_iter(range(m_tiles)):
             if j == 0:
@@ -312,7 +327,9 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         C: Array,            # (b, l, g, n)
         dt_out: Array,       # (b, h, c, q) fp32
         dA_cumsum: Array,    # (b, h, c, q) fp32
-        prev_states: Array,  # (b, c, h, p, n) state entering each chunk
+        prev_states: Array,  # (b, c, h, p, n) state entering each chunk (GROUPED: from its group's start)
+        chunk_decay: Array,  # (b, h, c) fp32, carry from the chunk's group start (GROUPED only)
+        group_enter: Array,  # (b, G, h, p, n) state entering each group (GROUPED only)
         D: Array,            # (h,) or (h, p) (ignored unless HAS_D)
         z: Array,            # (b, l, h, p) (ignored unless HAS_Z)
         seq_idx: Array,      # (b, l) int32 (ignored unless HAS_SEQ)
@@ -324,6 +341,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         p_tiles: int,        # cdiv(p, BLOCK_P)
         batch: int,          # b (persistent grid only)
         head_tiles: int,     # h / BLOCK_H (persistent grid only)
+        chunks_per_group: int,  # GROUPED only
         Q: ConstInt,
         BLOCK_H: ConstInt,
         BLOCK_M: ConstInt,
@@ -337,6 +355,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         PERSISTENT: ConstBool,
         WHOLE_CHUNK: ConstBool,  # persistent only: a tile is all row blocks of a chunk
         SHARED: ConstBool,       # whole-chunk tiles, every chunk full: scan_chunk
+        GROUPED: ConstBool,      # stage 2 walked its chunks in groups (ssd.state_passing.Groups)
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -348,9 +367,10 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         whole-chunk tiles (every chunk full) walk their heads one after another instead,
         loading C and B once for them all (:func:`scan_chunk`).
         """
-        args = (x, B, C, dt_out, dA_cumsum, prev_states, D, z, seq_idx, seq_last, y, seqlen,
-                nchunks, heads_per_group, p_tiles, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD,
-                HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ, latency)
+        args = (x, B, C, dt_out, dA_cumsum, prev_states, chunk_decay, group_enter, D, z, seq_idx,
+                seq_last, y, seqlen, nchunks, heads_per_group, p_tiles, chunks_per_group, Q,
+                BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_D, D_PER_HEAD, HAS_Z, HAS_SEQ,
+                GROUPED, latency)
         m_tiles = Q // BLOCK_M
         hp_tiles = head_tiles * p_tiles
         if PERSISTENT and WHOLE_CHUNK and SHARED:
@@ -371,7 +391,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
 
 
 def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=None,
-               seq_last=None, config: ScanConfig = ScanConfig(), out=None):
+               seq_last=None, config: ScanConfig = ScanConfig(), out=None, groups=None):
     """Launch stage 3.
 
     Args:
@@ -379,6 +399,8 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
         prev_states: (b, c, h, p, n) fp32 or bf16; D: optional (h,) or (h, p);
         z: optional (b, l, h, p); seq_idx: optional (b, l) int32 with seq_last (b, c) int32.
         out: optional preallocated (b, l, h, p) tensor of x's dtype.
+        groups: the :class:`ssd.state_passing.Groups` of a grouped stage 2, whose prev_states
+            start from zero at each group.
     Returns:
         y (b, l, h, p) in x's dtype.
     """
@@ -403,12 +425,15 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
         tiles = grid[0] * grid[2] * (1 if config.whole_chunk else grid[1])
         grid = (min((config.occupancy or 1) * sms, tiles), 1, 1)
     launch(kernel, grid, (x, B, C, dt_out, dA_cumsum, prev_states,
+                          optional(groups and groups.chunk_decay, 3, torch.float32, dev),
+                          optional(groups and groups.group_enter, 5, prev_states.dtype, dev),
                           optional(D, 2, torch.float32, dev), optional(z, 4, x.dtype, dev),
                           optional(seq_idx, 2, torch.int32, dev),
                           optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles,
-                          b, h // config.block_h, q, config.block_h, config.block_m, config.block_s,
+                          b, h // config.block_h, groups.chunks_per_group if groups else nchunks,
+                          q, config.block_h, config.block_m, config.block_s,
                           config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
                           z is not None, seq_idx is not None, config.persistent,
-                          config.whole_chunk, config.shared and l % q == 0),
+                          config.whole_chunk, config.shared and l % q == 0, groups is not None),
            device=dev)
     return out

@@ -66,6 +66,11 @@ class StateConfig:
         compiler's choice).
     transposed: the fused walk keeps its state slice transposed, [block_n, block_p], with the
         MMA (w B)ᵀ x (TileGym's tuned state kernel does); memory layouts unchanged.
+    groups: the fused walk's chunks cut into this many runs of consecutive chunks, each walked
+        by blocks of its own from a zero state (b x h x slices x groups blocks, each walking
+        1/groups of the chunks); a small second kernel carries the state from group to group
+        and chunk_scan adds each group's entering state, decayed to the chunk, to the state
+        stage 2 stored. For few sequences, where the walk is one long chain per head.
     """
 
     block_p: int = 64
@@ -77,11 +82,16 @@ class StateConfig:
     latency: int | None = None
     warps: int | None = None
     transposed: bool = True
+    groups: int = 1
 
     def __post_init__(self):
         for name in ("block_p", "block_n", "block_k"):
             _check_pow2(name, getattr(self, name))
         _check_hints(self)
+        if not isinstance(self.groups, int) or self.groups < 1:
+            raise ValueError(f"groups: expected a positive int, got {self.groups!r}")
+        if self.groups > 1 and not self.fused:
+            raise ValueError("groups: chunk groups need the fused stage 2 (fused=True)")
         if self.state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype: expected one of {STATE_DTYPES}, got {self.state_dtype!r}")
 
@@ -252,6 +262,17 @@ CHUNK64 = 64
 SMALL_STATE = 64
 SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
 
+# Few sequences at chunk size 64: where the fused walk would take NARROW_STATE (fewer than
+# MIN_STAGE2_BLOCKS_PER_SM blocks a SM), walk whole states (ONE_WAVE_STATE) in GROUPED_WALK groups
+# of chunks at once instead (StateConfig.groups), if that many groups of whole states fit in one
+# wave of resident blocks. Each group walks from a zero state; chunk_scan completes the entering
+# states with each group's (ssd.state_passing.Groups). Measured on long-16k (1 x 80 heads;
+# results/h200/screening/stop33/groups.json): four groups of whole states, 320 blocks of 64
+# chunks, stage 2 0.676x and the forward 0.917x the narrow slices' (chunk_scan 1.26x: the
+# completing load); two groups 1.128x, eight (two waves) 0.966x; on shapes with several
+# sequences, where the rule does not apply, every grouping was slower (1.18-1.22x at best).
+GROUPED_WALK = 4
+
 
 def default_config(capability: tuple[int, int] | None = None,
                    problem: tuple[int, int, int, int] | None = None,
@@ -259,8 +280,10 @@ def default_config(capability: tuple[int, int] | None = None,
     """Default config for a GPU of compute capability ``capability`` (None: the current GPU,
     or the sm_90 default when there is none). Given the ``problem``'s (batch, heads, headdim,
     dstate) and the GPU's ``sms``, a problem whose fused stage 2 would have fewer than
-    ``MIN_STAGE2_BLOCKS_PER_SM`` blocks per SM (few sequences, few heads) gets narrower state
-    slices; on sm_90 at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more
+    ``MIN_STAGE2_BLOCKS_PER_SM`` blocks per SM (few sequences, few heads) gets, on sm_90 at
+    ``chunk_size`` ``ONE_WAVE_CHUNK`` for a state wider than ``SMALL_STATE``, whole states walked
+    in ``GROUPED_WALK`` groups of chunks where those fit in one wave, else narrower state slices;
+    on sm_90 at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more
     than one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
     one head, each tile loaded once; on sm_90 at ``chunk_size`` ``CHUNK64``, the other problems'
@@ -277,11 +300,17 @@ def default_config(capability: tuple[int, int] | None = None,
     if problem is not None:
         b, h, p, n = problem
         blocks = b * h * config.state.slices(p, n)[2]
-        if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms:
+        one_wave = replace(config.state, **ONE_WAVE_STATE)
+        # whole states in groups: measured for 128-wide states only (long-16k)
+        grouped = (sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
+                   and config.state.occupancy and SMALL_STATE < n <= one_wave.block_n
+                   and b * h * one_wave.slices(p, n)[2] * GROUPED_WALK <= one_wave.occupancy * sms)
+        if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms and grouped:
+            config = replace(config, state=replace(one_wave, groups=GROUPED_WALK))
+        elif sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms:
             config = replace(config, state=replace(config.state, **NARROW_STATE))
         elif (sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
               and config.state.occupancy and blocks > config.state.occupancy * sms):
-            one_wave = replace(config.state, **ONE_WAVE_STATE)
             if n <= one_wave.block_n and b * h * one_wave.slices(p, n)[2] <= one_wave.occupancy * sms:
                 config = replace(config, state=one_wave)
         if n <= SMALL_STATE:

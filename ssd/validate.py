@@ -83,11 +83,12 @@ def reference_of(spec: ProblemSpec, inputs: dict) -> dict:
 
 
 def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="float32",
-                     device="cuda") -> dict:
+                     device="cuda", groups=1) -> dict:
     """NaN-filled output buffers for every stage, shaped as the stages write them:
     dt_out, dA_cumsum (b,h,c,q) fp32; prev_states (b,c,h,p,n) in ``state_dtype``;
     final_states (b,h,p,n) fp32; y (b,l,h,p) in ``dtype``; with ``split`` also states
-    (b,c,h,p,n) fp32."""
+    (b,c,h,p,n) fp32; with ``groups`` > 1 also chunk_decay (b,h,c) fp32 and group_enter
+    (b,groups,h,p,n) in ``state_dtype``."""
     import torch
 
     b, l, h, p, n, g = spec.dims
@@ -102,6 +103,9 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="fl
     }
     if split:
         out["states"] = torch.full((b, c, h, p, n), dtype=torch.float32, **nan)
+    if groups > 1:
+        out["chunk_decay"] = torch.full((b, h, c), dtype=torch.float32, **nan)
+        out["group_enter"] = torch.full((b, groups, h, p, n), dtype=getattr(torch, state_dtype), **nan)
     return out
 
 
@@ -121,9 +125,11 @@ def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config) -> dict:
     import torch
 
     from .api import forward_stages
+    from .state_passing import chunks_per_group
 
     outputs = poisoned_outputs(spec, dtype, split=not config.state.fused,
-                               state_dtype=config.state.storage_dtype(dtype))
+                               state_dtype=config.state.storage_dtype(dtype),
+                               groups=config.state.groups)
     r = forward_stages(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
                        spec.chunk_size, D=inputs.get("D"), z=inputs.get("z"),
                        dt_bias=inputs.get("dt_bias"), initial_states=inputs.get("initial_states"),
@@ -132,6 +138,13 @@ def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config) -> dict:
     torch.cuda.synchronize()
     for key, buf in outputs.items():
         assert r[key] is buf, f"{key}: the stage did not write into the buffer it was given"
+    if config.state.groups > 1:
+        # The grouped walk's states start from zero at each group: checked as the entering
+        # states chunk_scan forms from them, prev_states[c] + chunk_decay[c] group_enter[g(c)].
+        cpg = chunks_per_group(spec.nchunks, config.state.groups)
+        g_of = torch.arange(spec.nchunks, device=r["prev_states"].device) // cpg
+        decay = r.pop("chunk_decay").double().permute(0, 2, 1)[..., None, None]  # (b, c, h, 1, 1)
+        r["prev_states"] = r["prev_states"].double() + decay * r.pop("group_enter").double()[:, g_of]
     return r
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from ssd import bench, nbutil
-from ssd.config import (CHUNK64_SCAN, NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE,
+from ssd.config import (CHUNK64_SCAN, GROUPED_WALK, NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE,
                         SMALL_STATE_SCAN, default_config)
 from ssd.env import gpu_slug
 
@@ -68,6 +68,7 @@ _BASE = default_config((9, 0))
 _NARROW = replace(_BASE, state=replace(_BASE.state, **NARROW_STATE))
 _SMALL = replace(_BASE, scan=replace(_BASE.scan, **SMALL_STATE_SCAN))
 _ONE_WAVE = replace(_BASE, state=replace(_BASE.state, **ONE_WAVE_STATE))
+_GROUPED = replace(_BASE, state=replace(_BASE.state, **ONE_WAVE_STATE, groups=GROUPED_WALK))
 
 
 def _at64(cfg):
@@ -79,7 +80,7 @@ def _at64(cfg):
     (None, _BASE, _BASE),
     ((8, 2048, 24, 64, 128, 1), _BASE, _BASE),            # 130m
     ((4, 4096, 80, 64, 128, 1), _ONE_WAVE, _BASE),        # 2.7b: whole states in one wave at 64
-    ((1, 16384, 80, 64, 128, 1), _NARROW, _NARROW),       # long-16k: few stage-2 blocks
+    ((1, 16384, 80, 64, 128, 1), _GROUPED, _NARROW),      # long-16k: few stage-2 blocks
     ((2, 8192, 128, 64, 128, 8), _BASE, _BASE),           # codestral-7b
     ((16, 1024, 32, 64, 64, 1), _SMALL, _SMALL),          # small-state: whole-chunk scan tiles
 ])

@@ -9,7 +9,8 @@ from ssd.config import ScanConfig, SSDConfig, StateConfig, default_config
 
 @pytest.mark.parametrize("kwargs", [dict(block_p=48), dict(block_n=0), dict(block_k=3),
                                     dict(occupancy=0), dict(occupancy=33),
-                                    dict(state_dtype="float64")])
+                                    dict(state_dtype="float64"), dict(groups=0),
+                                    dict(groups=2, fused=False)])
 def test_state_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         StateConfig(**kwargs)
@@ -149,6 +150,31 @@ def test_default_takes_whole_states_where_they_make_stage2_one_wave(b, h, q, one
                         and sliced_blocks >= 2 * 132)
 
 
+@pytest.mark.parametrize("b, h, q, groups", [
+    (1, 80, 64, 4),      # long-16k: 160 sliced blocks < 2 a SM; 4 x 80 whole states fit at three
+    (1, 80, 128, 1),     # only at chunk 64
+    (1, 99, 64, 4),      # 396 grouped whole states fit at three a SM on 132 SMs ...
+    (1, 100, 64, 1),     # ... 400 do not: the narrow slices
+    (2, 66, 64, 1),      # 264 sliced blocks: 2 a SM, not few
+    (4, 80, 64, 1),      # 2.7b: the one-wave walk, not grouped
+])
+def test_default_walks_few_sequences_in_groups_of_chunks(b, h, q, groups):
+    """Where the fused walk would take NARROW_STATE at chunk 64 on sm_90, the default walks whole
+    states (ONE_WAVE_STATE) in GROUPED_WALK groups of chunks, if those fit in one wave."""
+    from ssd.config import GROUPED_WALK, NARROW_STATE, ONE_WAVE_STATE
+
+    cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q)
+    assert cfg.state.groups == groups
+    if groups > 1:
+        assert groups == GROUPED_WALK
+        assert cfg.state == replace(default_config((9, 0)).state, **ONE_WAVE_STATE, groups=groups)
+    narrow = replace(default_config((9, 0)).state, **NARROW_STATE)
+    assert (cfg.state == narrow) is (groups == 1 and b * h * 2 < 2 * 132)
+    # not for small states, not off sm_90
+    assert default_config((9, 0), problem=(b, h, 64, 64), sms=132, chunk_size=q).state.groups == 1
+    assert default_config((10, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q).state.groups == 1
+
+
 def test_whole_states_only_where_measured(monkeypatch):
     """Not on another architecture than sm_90, not without an occupancy hint (the resident blocks
     unknown), not for a state wider than one whole-state slice."""
@@ -245,4 +271,4 @@ def test_whole_chunk_tiles_cover_every_row_block_once(whole_chunk, shared, seqle
         forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
                        torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128, config=config)
     scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")
-    assert scan.grid == (tiles, 1, 1) and scan.args[-2:] == constants
+    assert scan.grid == (tiles, 1, 1) and scan.args[-3:-1] == constants  # then GROUPED

@@ -50,8 +50,15 @@ ONEWAVE = SSDConfig(state=StateConfig(**ONE_WAVE_STATE))
 # The default's chunk_scan at chunk 64: whole-chunk tiles of one head, each tile loaded once, at
 # the occupancy hint of 2 (the compiler's other register budget: 128 registers, no spill on sm_90).
 SCAN64 = SSDConfig(scan=ScanConfig(**CHUNK64_SCAN))
+# Stage 2's chunks walked in groups (StateConfig.groups): with the default tiles; four groups of
+# the one-wave walk with CHUNK64's whole-chunk tiles; two groups untransposed, narrow slices,
+# several diagonal tiles, one block per output tile.
+GROUPS = SSDConfig(state=StateConfig(groups=3))
+GROUPS64 = SSDConfig(state=StateConfig(groups=4, **ONE_WAVE_STATE), scan=ScanConfig(**CHUNK64_SCAN))
+GROUPS_NT = SSDConfig(state=StateConfig(groups=2, transposed=False, block_p=32, block_n=32),
+                      scan=ScanConfig(block_s=32, persistent=False))
 NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE,
-             SCAN64=SCAN64)
+             SCAN64=SCAN64, GROUPS=GROUPS, GROUPS64=GROUPS64, GROUPS_NT=GROUPS_NT)
 # SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
@@ -127,6 +134,28 @@ def test_one_wave_stage2_where_the_default_takes_it(gpu_record):
     else:  # the same kernel, taken by hand
         config = dataclasses.replace(config, state=dataclasses.replace(config.state, **ONE_WAVE_STATE))
     check_stages(spec, "bfloat16", config, gpu_record, "one-wave", seed_for(spec.name))
+
+
+def test_grouped_walk_where_the_default_takes_it(gpu_record):
+    """Whole states walked in groups of chunks (GROUPED_WALK) as the default takes them: chunk 64,
+    state 128, few sequences (one sequence of 64 heads: too few blocks for the 64-wide slices,
+    and four groups of whole states fit in one wave on an H200), with initial states, so that the
+    first group enters from them."""
+    from ssd.api import resolve_config
+    from ssd.config import GROUPED_WALK
+
+    spec = ProblemSpec(1, 1024, 64, 64, 128, 1, chunk_size=64, D="h", dt_bias=True,
+                       dt_softplus=True, initial_states=True, name="grouped-walk")
+    x = torch.empty(spec.dims[:4], device="cuda", dtype=torch.bfloat16)
+    B = torch.empty(1, 1024, 1, 128, device="cuda", dtype=torch.bfloat16)
+    config = resolve_config(None, spec.chunk_size, x, B)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if torch.cuda.get_device_capability()[0] in MEASURED_ARCHS and 64 * GROUPED_WALK <= 3 * sms:
+        assert config.state.groups == GROUPED_WALK   # the rule is sm_90's
+    else:  # the same kernels, taken by hand
+        config = dataclasses.replace(config, state=dataclasses.replace(
+            config.state, **ONE_WAVE_STATE, groups=GROUPED_WALK))
+    check_stages(spec, "bfloat16", config, gpu_record, "grouped-walk", seed_for(spec.name))
 
 
 # chunk_scan's whole-chunk tiles over full chunks (every tile loaded once, heads one after
