@@ -113,8 +113,8 @@ def chunk_seq_last(seq_idx, chunk_size: int):
 
 
 def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig:
-    """``config`` (None: the default for x's GPU, this problem's batch, heads and state and the
-    chunk size, see :func:`ssd.config.default_config`) fitted to the problem: tiles clamped to
+    """``config`` (None: the default for x's GPU, this problem's batch, length, heads and state
+    and the chunk size, see :func:`ssd.config.default_config`) fitted to the problem: tiles clamped to
     the chunk, head and state sizes, the head block to the heads per group, and the entering
     states' dtype resolved against x's (see :meth:`SSDConfig.for_problem`).
 
@@ -123,7 +123,8 @@ def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig
         gpu = torch.cuda.get_device_properties(x.device)
         problem = (x.shape[0], x.shape[2], x.shape[3], B.shape[3])  # (b, h, p, n)
         config = default_config((gpu.major, gpu.minor), problem=problem,
-                                sms=gpu.multi_processor_count, chunk_size=chunk_size)
+                                sms=gpu.multi_processor_count, chunk_size=chunk_size,
+                                seqlen=x.shape[1])
     return config.for_problem(chunk_size, x.shape[-1], B.shape[-1], x.shape[2] // B.shape[2],
                               input_dtype=x.dtype)
 

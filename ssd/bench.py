@@ -543,10 +543,12 @@ def speedups(records, over="mamba_ssm", mode="graph", l2="flushed") -> dict:
 # groups and the state size. So one shape of each: a ragged last chunk at every chunk size, four
 # groups with a small state and a head dim of 96, and full chunks at 64, 128 and 256 (the models
 # shapes' case; stop 29 found whole-chunk tiles compiling for ~10 s there, which the first two
-# never reach).
+# never reach), and one long sequence whose default walks its chunks in groups (GROUPED_WALK:
+# three kernels of its own, a ragged last chunk).
 FIRST_CALL_SHAPES = (Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1),
                      Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4),
-                     Shape("unseen-2x1536-full", 2, 1536, 48, 64, 128, 1))
+                     Shape("unseen-2x1536-full", 2, 1536, 48, 64, 128, 1),
+                     Shape("unseen-1x17000-grouped", 1, 17000, 72, 64, 128, 1))
 
 
 def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:
@@ -599,8 +601,9 @@ def shape_default(dims, sms: int, capability=(9, 0), chunk_size=OUR_CHUNK) -> SS
     """The default the API picks for a shape of ``dims`` (b, l, h, p, n, g) at ``chunk_size`` on
     a GPU with ``sms`` SMs (see :func:`ssd.config.default_config`), before clamping to the
     problem."""
-    b, _, h, p, n, _ = dims
-    return default_config(capability, problem=(b, h, p, n), sms=sms, chunk_size=chunk_size)
+    b, l, h, p, n, _ = dims
+    return default_config(capability, problem=(b, h, p, n), sms=sms, chunk_size=chunk_size,
+                          seqlen=l)
 
 
 def config_space(dims=None, sms: int | None = None):

@@ -271,18 +271,26 @@ SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
 # chunks, stage 2 0.676x and the forward 0.917x the narrow slices' (chunk_scan 1.26x: the
 # completing load); two groups 1.128x, eight (two waves) 0.966x; on shapes with several
 # sequences, where the rule does not apply, every grouping was slower (1.18-1.22x at best).
+# Only for sequences of at least GROUPED_MIN_CHUNKS chunks: on short ones the walk is short
+# anyway and the group kernel and chunk_scan's completing load cost more than the walk saves
+# (results/h200/screening/stop34/rule.json, against the narrow slices in one process: 1 x 512
+# tokens, 8 chunks, 1.44x; 2 x 1536, 24 chunks, 1.18x; long-16k, 256 chunks, 0.913x; 1 x 65536,
+# 1024 chunks, 0.876x). 256 is the shortest measured gain; between 24 and 256 is not measured.
 GROUPED_WALK = 4
+GROUPED_MIN_CHUNKS = 256
 
 
 def default_config(capability: tuple[int, int] | None = None,
                    problem: tuple[int, int, int, int] | None = None,
-                   sms: int | None = None, chunk_size: int | None = None) -> SSDConfig:
+                   sms: int | None = None, chunk_size: int | None = None,
+                   seqlen: int | None = None) -> SSDConfig:
     """Default config for a GPU of compute capability ``capability`` (None: the current GPU,
     or the sm_90 default when there is none). Given the ``problem``'s (batch, heads, headdim,
     dstate) and the GPU's ``sms``, a problem whose fused stage 2 would have fewer than
     ``MIN_STAGE2_BLOCKS_PER_SM`` blocks per SM (few sequences, few heads) gets, on sm_90 at
     ``chunk_size`` ``ONE_WAVE_CHUNK`` for a state wider than ``SMALL_STATE``, whole states walked
-    in ``GROUPED_WALK`` groups of chunks where those fit in one wave, else narrower state slices;
+    in ``GROUPED_WALK`` groups of chunks where those fit in one wave and the ``seqlen`` spans
+    ``GROUPED_MIN_CHUNKS`` chunks or more, else narrower state slices;
     on sm_90 at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more
     than one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
@@ -303,6 +311,7 @@ def default_config(capability: tuple[int, int] | None = None,
         one_wave = replace(config.state, **ONE_WAVE_STATE)
         # whole states in groups: measured for 128-wide states only (long-16k)
         grouped = (sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
+                   and seqlen is not None and -(-seqlen // chunk_size) >= GROUPED_MIN_CHUNKS
                    and config.state.occupancy and SMALL_STATE < n <= one_wave.block_n
                    and b * h * one_wave.slices(p, n)[2] * GROUPED_WALK <= one_wave.occupancy * sms)
         if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms and grouped:

@@ -156,10 +156,11 @@ def test_one_wave_stage2_fits_three_blocks_a_sm():
 def grouped_kernels():
     """The walk and chunk_scan the default takes for few sequences at chunk 64 (GROUPED_WALK
     groups of whole states), on long-16k's pattern, captured at its array properties."""
-    from ssd.config import GROUPED_WALK, default_config
+    from ssd.config import GROUPED_MIN_CHUNKS, GROUPED_WALK, default_config
 
     b, h, p, n = 1, 80, 64, 128
-    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64)
+    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64,
+                            seqlen=64 * GROUPED_MIN_CHUNKS)
     assert config.state.groups == GROUPED_WALK
     records = aot.capture_forward("bfloat16", "layer", True, chunk_size=64, config=config,
                                   dims=(b, 8 * 64, h, p, n, 1))

@@ -150,20 +150,26 @@ def test_default_takes_whole_states_where_they_make_stage2_one_wave(b, h, q, one
                         and sliced_blocks >= 2 * 132)
 
 
-@pytest.mark.parametrize("b, h, q, groups", [
-    (1, 80, 64, 4),      # long-16k: 160 sliced blocks < 2 a SM; 4 x 80 whole states fit at three
-    (1, 80, 128, 1),     # only at chunk 64
-    (1, 99, 64, 4),      # 396 grouped whole states fit at three a SM on 132 SMs ...
-    (1, 100, 64, 1),     # ... 400 do not: the narrow slices
-    (2, 66, 64, 1),      # 264 sliced blocks: 2 a SM, not few
-    (4, 80, 64, 1),      # 2.7b: the one-wave walk, not grouped
+@pytest.mark.parametrize("b, h, q, l, groups", [
+    (1, 80, 64, 16384, 4),    # long-16k: 160 sliced blocks < 2 a SM; 4 x 80 whole states fit at three
+    (1, 80, 64, 16321, 4),    # 256 chunks, the last one ragged: GROUPED_MIN_CHUNKS ...
+    (1, 80, 64, 16320, 1),    # ... 255 chunks: too short (the narrow slices)
+    (1, 80, 64, 512, 1),      # a short prompt
+    (1, 80, 64, None, 1),     # the length unknown
+    (1, 80, 128, 32768, 1),   # only at chunk 64
+    (1, 99, 64, 16384, 4),    # 396 grouped whole states fit at three a SM on 132 SMs ...
+    (1, 100, 64, 16384, 1),   # ... 400 do not: the narrow slices
+    (2, 66, 64, 16384, 1),    # 264 sliced blocks: 2 a SM, not few
+    (4, 80, 64, 16384, 1),    # 2.7b's pattern: the one-wave walk, not grouped
 ])
-def test_default_walks_few_sequences_in_groups_of_chunks(b, h, q, groups):
+def test_default_walks_few_sequences_in_groups_of_chunks(b, h, q, l, groups):
     """Where the fused walk would take NARROW_STATE at chunk 64 on sm_90, the default walks whole
-    states (ONE_WAVE_STATE) in GROUPED_WALK groups of chunks, if those fit in one wave."""
-    from ssd.config import GROUPED_WALK, NARROW_STATE, ONE_WAVE_STATE
+    states (ONE_WAVE_STATE) in GROUPED_WALK groups of chunks, if those fit in one wave and the
+    sequences span GROUPED_MIN_CHUNKS chunks."""
+    from ssd.config import GROUPED_MIN_CHUNKS, GROUPED_WALK, NARROW_STATE, ONE_WAVE_STATE
 
-    cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q)
+    assert GROUPED_MIN_CHUNKS == 256   # the rows' lengths
+    cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q, seqlen=l)
     assert cfg.state.groups == groups
     if groups > 1:
         assert groups == GROUPED_WALK
@@ -171,8 +177,9 @@ def test_default_walks_few_sequences_in_groups_of_chunks(b, h, q, groups):
     narrow = replace(default_config((9, 0)).state, **NARROW_STATE)
     assert (cfg.state == narrow) is (groups == 1 and b * h * 2 < 2 * 132)
     # not for small states, not off sm_90
-    assert default_config((9, 0), problem=(b, h, 64, 64), sms=132, chunk_size=q).state.groups == 1
-    assert default_config((10, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q).state.groups == 1
+    for cap, n in (((9, 0), 64), ((10, 0), 128)):
+        assert default_config(cap, problem=(b, h, 64, n), sms=132, chunk_size=q,
+                              seqlen=l).state.groups == 1
 
 
 def test_whole_states_only_where_measured(monkeypatch):

@@ -140,14 +140,17 @@ def test_grouped_walk_where_the_default_takes_it(gpu_record):
     """Whole states walked in groups of chunks (GROUPED_WALK) as the default takes them: chunk 64,
     state 128, few sequences (one sequence of 64 heads: too few blocks for the 64-wide slices,
     and four groups of whole states fit in one wave on an H200), with initial states, so that the
-    first group enters from them."""
+    first group enters from them. The default is resolved for a sequence of GROUPED_MIN_CHUNKS
+    chunks (what the rule needs) and checked on a shorter one, 16 chunks in groups of 4 (the same
+    kernels: the float64 reference of the long one would take minutes)."""
     from ssd.api import resolve_config
-    from ssd.config import GROUPED_WALK
+    from ssd.config import GROUPED_MIN_CHUNKS, GROUPED_WALK
 
     spec = ProblemSpec(1, 1024, 64, 64, 128, 1, chunk_size=64, D="h", dt_bias=True,
                        dt_softplus=True, initial_states=True, name="grouped-walk")
-    x = torch.empty(spec.dims[:4], device="cuda", dtype=torch.bfloat16)
-    B = torch.empty(1, 1024, 1, 128, device="cuda", dtype=torch.bfloat16)
+    long = 64 * GROUPED_MIN_CHUNKS
+    x = torch.empty((1, long, 64, 64), device="cuda", dtype=torch.bfloat16)
+    B = torch.empty(1, long, 1, 128, device="cuda", dtype=torch.bfloat16)
     config = resolve_config(None, spec.chunk_size, x, B)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if torch.cuda.get_device_capability()[0] in MEASURED_ARCHS and 64 * GROUPED_WALK <= 3 * sms:
