@@ -22,12 +22,18 @@ def space(shape, sms):
         (f"g{g} whole", 64, replace(d, state=replace(d.state, groups=g))) for g in (2, 8)]
 
 
-if __name__ == "__main__":
-    res = bench.run_study(SHAPES, space=space, reps=20, stages=True)
+def run(shapes, space, out):
+    """Time ``space``'s points on ``shapes`` in this process (graph replay, L2 flushed, each stage
+    alone too), write the file, print each point against its shape's default."""
+    res = bench.run_study(shapes, space=space, reps=20, stages=True)
     res["environment"] = bench.environment()
-    with open(sys.argv[1], "w") as f:
+    with open(out, "w") as f:
         json.dump(res, f, indent=1)
     for shape, rows in bench.study_ratios(res["rows"]).items():
         for factor, label, r, st in rows:
             print(f"{shape:18s} {factor:16s} {r:6.3f}  "
                   + " ".join(f"{k[:10]} {v:5.3f}" for k, v in st.items()))
+
+
+if __name__ == "__main__":
+    run(SHAPES, space, sys.argv[1])

@@ -1,9 +1,10 @@
 """Between rule.json's lengths (argv[1] = out): one sequence of 80 heads of 2.7b's layer at 64 and
 128 chunks (4096 and 8192 tokens), below GROUPED_MIN_CHUNKS, so the default walks the narrow
 slices; four and two groups of whole states beside it, in one process, chunk 64."""
-import json
 import sys
 from dataclasses import replace
+
+from rule import run  # this folder's runner
 
 from ssd import bench
 from ssd.config import ONE_WAVE_STATE
@@ -20,11 +21,4 @@ def space(shape, sms):
 
 
 if __name__ == "__main__":
-    res = bench.run_study(SHAPES, space=space, reps=20, stages=True)
-    res["environment"] = bench.environment()
-    with open(sys.argv[1], "w") as f:
-        json.dump(res, f, indent=1)
-    for shape, rows in bench.study_ratios(res["rows"]).items():
-        for factor, label, r, st in rows:
-            print(f"{shape:18s} {factor:16s} {r:6.3f}  "
-                  + " ".join(f"{k[:10]} {v:5.3f}" for k, v in st.items()))
+    run(SHAPES, space, sys.argv[1])
