@@ -278,8 +278,10 @@ def glue(name: str, value, display: bool = True) -> None:
     Emits the same display output myst_nb's glue does (a mimebundle tagged with
     ``metadata["scrapbook"]``), which the book build reads from the stored notebook. A string is
     pasted as its repr, so it may hold no markup (backticks) and no apostrophe, which would make
-    the repr's quotes double and visible in the text.
+    the repr's quotes double and visible in the text. A NumPy scalar is stored as the Python
+    number it holds: its repr (``np.float64(...)``) is not a number the book can format.
     """
+    value = getattr(value, "item", lambda: value)() if type(value).__module__ == "numpy" else value
     if isinstance(value, str) and ("'" in value or "`" in value):
         raise ValueError(f"glue {name!r}: a glued string renders as plain text in its repr; "
                          f"drop the apostrophe or backtick from {value!r}")

@@ -179,6 +179,18 @@ def test_glue_refuses_strings_that_would_render_with_quotes():
             nbutil.glue("name", text, display=False)
 
 
+def test_glue_stores_numpy_scalars_as_numbers(monkeypatch):
+    """The book formats a glued number from its stored text/plain; np.float64's repr in NumPy 2
+    (``np.float64(...)``) is no number, and -W fails the build on it (stop 34, chapter 06)."""
+    import numpy as np
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda bundle, **kw: shown.append(bundle))
+    nbutil.glue("err", np.float64(1.5e-16), display=False)
+    nbutil.glue("n", np.int64(3), display=False)
+    assert [b["application/papermill.record/text/plain"] for b in shown] == ["1.5e-16", "3"]
+
+
 def test_code_digests_answer_same_code_without_git(tmp_path, monkeypatch):
     import subprocess
 
