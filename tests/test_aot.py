@@ -140,17 +140,21 @@ def test_one_wave_stage2_compiles(arch, seqlen):
     assert len(aot.export_cubin(one_wave_walk(seqlen), arch)) > 1000
 
 
+def assert_fits_a_sm(use, blocks):
+    """``blocks`` blocks of a kernel with the sm_90 resources ``use`` fit one SM and it spills
+    nothing. A block is 256 threads (a producer and a consumer warpgroup: the warp-specialised
+    kernels, as Nsight Compute read them in stop 12), registers are allocated 8 a thread at a
+    time from 64 K a SM, and a SM has 228 KB of shared memory with 1 KB reserved a block."""
+    assert -(-use["registers"] // 8) * 8 * 256 * blocks <= 64 * 1024
+    assert blocks * (use["shared_bytes"] + 1024) <= 228 * 1024
+    assert use["stack_bytes"] == 0
+
+
 def test_one_wave_stage2_fits_three_blocks_a_sm():
     """The premise of ONE_WAVE_STATE (ssd/config.py): on sm_90 three blocks of its walk over full
     chunks (the unrolled one, which 2.7b takes) fit a SM and the walk spills nothing, so 2.7b's
-    320 blocks are one wave on 132 SMs. A block is 256 threads (a producer and a consumer
-    warpgroup: the warp-specialised walk, as Nsight Compute read it in stop 12), registers are
-    allocated 8 a thread at a time from 64 K a SM, and a SM has 228 KB of shared memory with 1 KB
-    reserved a block."""
-    use = aot.resource_usage(aot.export_cubin(one_wave_walk(), "sm_90"))
-    registers = -(-use["registers"] // 8) * 8
-    assert registers * 256 * 3 <= 64 * 1024 and 3 * (use["shared_bytes"] + 1024) <= 228 * 1024
-    assert use["stack_bytes"] == 0
+    320 blocks are one wave on 132 SMs."""
+    assert_fits_a_sm(aot.resource_usage(aot.export_cubin(one_wave_walk(), "sm_90")), 3)
 
 
 def grouped_kernels():
@@ -181,12 +185,8 @@ def test_grouped_walk_fits_where_it_ships():
     with the completing load of each group's entering state fits two blocks a SM (its occupancy
     hint) without spilling; the group_passing kernel compiles."""
     kernels = grouped_kernels()
-    walk = aot.resource_usage(aot.export_cubin(kernels["state_passing_kernel"], "sm_90"))
-    assert -(-walk["registers"] // 8) * 8 * 256 * 3 <= 64 * 1024
-    assert 3 * (walk["shared_bytes"] + 1024) <= 228 * 1024 and walk["stack_bytes"] == 0
-    scan = aot.resource_usage(aot.export_cubin(kernels["chunk_scan_kernel"], "sm_90"))
-    assert -(-scan["registers"] // 8) * 8 * 256 * 2 <= 64 * 1024
-    assert 2 * (scan["shared_bytes"] + 1024) <= 228 * 1024 and scan["stack_bytes"] == 0
+    assert_fits_a_sm(aot.resource_usage(aot.export_cubin(kernels["state_passing_kernel"], "sm_90")), 3)
+    assert_fits_a_sm(aot.resource_usage(aot.export_cubin(kernels["chunk_scan_kernel"], "sm_90")), 2)
     assert len(aot.export_cubin(kernels["group_passing_kernel"], "sm_90")) > 1000
 
 
