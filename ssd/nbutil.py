@@ -281,7 +281,10 @@ def glue(name: str, value, display: bool = True) -> None:
     the repr's quotes double and visible in the text. A NumPy scalar is stored as the Python
     number it holds: its repr (``np.float64(...)``) is not a number the book can format.
     """
-    value = getattr(value, "item", lambda: value)() if type(value).__module__ == "numpy" else value
+    import numpy as np
+
+    if isinstance(value, np.generic):
+        value = value.item()
     if isinstance(value, str) and ("'" in value or "`" in value):
         raise ValueError(f"glue {name!r}: a glued string renders as plain text in its repr; "
                          f"drop the apostrophe or backtick from {value!r}")
