@@ -143,7 +143,7 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     Returns:
         dict with dt_out, dA_cumsum (b, h, c, q) fp32; states (b, c, h, p, n) fp32 (split
         stage 2 only); prev_states (b, c, h, p, n), with ``StateConfig.groups > 1`` from each
-        group's start, then also chunk_decay (b, h, c) fp32 and group_enter (b, G, h, p, n)
+        group's start, then also chunk_decay (b, h, c, DECAY_ROW) fp32 and group_enter (b, G, h, p, n)
         (:class:`ssd.state_passing.Groups`); final_states (b, h, p, n) fp32;
         y (b, l, h, p) in x's dtype.
     """

@@ -742,7 +742,8 @@ def config_label(q, cfg: SSDConfig) -> str:
         ("ch", cfg.cumsum.block_h, d.cumsum.block_h), ("g", st.groups, d.state.groups)) if v != dv)
     flags = lambda pairs: "".join(f" {tag}" for tag, on in pairs if on)  # noqa: E731
     st_flags = flags((("T", st.transposed and st.fused),))  # the split kernels ignore it
-    sc_extra = flags((("pers", sc.persistent), ("wc", sc.whole_chunk), ("sh", sc.shared)))
+    sc_extra = flags((("pers", sc.persistent), ("wc", sc.whole_chunk), ("sh", sc.shared),
+                      ("gm", sc.group_mma)))
     return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n}{extra}{st_flags} "
             f"{_hints_label(st)} | h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p}"
             f"{sc_extra} {_hints_label(sc)}")

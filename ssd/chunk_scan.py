@@ -35,6 +35,7 @@ import cuda.tile as ct
 from ._launch import array_type, index_dtype_for, launch, optional
 from .chunk_state import LOG2E
 from .config import ScanConfig, next_pow2
+from .state_passing import DECAY_ROW
 
 ConstInt = ct.Constant[int]
 ConstBool = ct.Constant[bool]
@@ -56,19 +57,43 @@ def head_rows(arr, ib, l_tile, ih, ip, BLOCK_T, BLOCK_P, LATENCY=None):
     return t.reshape((BLOCK_T, BLOCK_P))
 
 
+# GROUPED, how chunk_scan completes the entering states of a grouped stage 2 (ScanConfig.group_mma):
+# not grouped; the group's part added to the stored state before the MMA; the group's part by an
+# MMA of its own, so that neither state goes through registers (both are MMA operands as loaded).
+GROUP_NONE, GROUP_ADD, GROUP_MMA = 0, 1, 2
+
+
 def entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip, chunks_per_group,
                    BLOCK_P, N_PAD, GROUPED, dtype):
-    """Tile code: the state entering chunk ``ic`` of head ``ih`` [P, N] in ``dtype`` (the MMA's).
-    GROUPED: stage 2 stored the state from the chunk's group start; the group's entering state,
-    carried to the chunk (chunk_decay), completes it."""
+    """Tile code: the state entering chunk ``ic`` of head ``ih`` [P, N] in ``dtype`` (the MMA's),
+    and the group's part for GROUP_MMA (its entering state [P, N] in ``dtype`` and the carry
+    [1, 1] to the chunk), else None. Grouped, stage 2 stored the state from the chunk's group
+    start; the group's entering state, carried to the chunk (chunk_decay), completes it: added
+    here (GROUP_ADD) or by :func:`entering_mma` (GROUP_MMA)."""
     prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
                    padding_mode=ZERO).reshape((BLOCK_P, N_PAD))
-    if GROUPED:
+    part = None
+    if GROUPED != GROUP_NONE:
         enter = ct.load(group_enter, index=(ib, ic // chunks_per_group, ih, ip, 0),
-                        shape=(1, 1, 1, BLOCK_P, N_PAD), padding_mode=ZERO)
-        d = ct.load(chunk_decay, index=(ib, ih, ic), shape=(1, 1, 1)).reshape((1, 1))
-        prev = prev.astype(ct.float32) + enter.reshape((BLOCK_P, N_PAD)).astype(ct.float32) * d
-    return prev.astype(dtype)
+                        shape=(1, 1, 1, BLOCK_P, N_PAD), padding_mode=ZERO).reshape((BLOCK_P, N_PAD))
+        row = ct.load(chunk_decay, index=(ib, ih, ic, 0), shape=(1, 1, 1, DECAY_ROW))
+        d = ct.extract(row.reshape((DECAY_ROW,)), index=(0,), shape=(1,)).reshape((1, 1))
+        if GROUPED == GROUP_MMA:
+            part = (enter.astype(dtype), d)
+        else:
+            prev = prev.astype(ct.float32) + enter.astype(ct.float32) * d
+    return prev.astype(dtype), part
+
+
+def entering_mma(c_in, prev, part, BLOCK_M, BLOCK_P, GROUPED):
+    """Tile code: C . H^T [M, P] fp32 for the entering state H of :func:`entering_state`, with
+    GROUP_MMA the group's part first (its own MMA, scaled by the carry), the stored state's MMA
+    accumulating onto it."""
+    acc = ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32)
+    if GROUPED == GROUP_MMA:
+        enter, d = part
+        acc = ct.mma(c_in, ct.transpose(enter), acc) * d
+    return ct.mma(c_in, ct.transpose(prev), acc)
 
 
 def mma_heads(ws, xs, accs, BLOCK_H):
@@ -203,9 +228,9 @@ def scan_tile(bc, im, hp, x, B, C, dt_out, dA_cumsum, prev_states, chunk_decay, 
             ih = jh * BLOCK_H + j
             a_t = ct.load(dA_cumsum, index=(ib, ih, ic, im), shape=(1, 1, 1, BLOCK_M))
             a_t = a_t.reshape((BLOCK_M,)) * LOG2E  # [M], log2 units
-            prev = entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip,
-                                  chunks_per_group, BLOCK_P, N_PAD, GROUPED, x.dtype)  # MMA in input dtype
-            acc = ct.mma(c_in, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
+            prev, part = entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip,
+                                        chunks_per_group, BLOCK_P, N_PAD, GROUPED, x.dtype)  # MMA in input dtype
+            acc = entering_mma(c_in, prev, part, BLOCK_M, BLOCK_P, GROUPED)
             a_ts += (a_t,)
             accs += (acc * ct.exp2(a_t)[:, None],)  # decay from the chunk start, <= 1
 
@@ -273,8 +298,8 @@ def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, chunk_decay, gro
     cs, bs = (), ()
     for j in ct.static_iter(range(BLOCK_H)):
         ih = jh * BLOCK_H + j
-        prev = entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip,
-                              chunks_per_group, BLOCK_P, N_PAD, GROUPED, x.dtype)  # [P, N]
+        prev, part = entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip,
+                                    chunks_per_group, BLOCK_P, N_PAD, GROUPED, x.dtype)  # [P, N]
         xs = ()  # this head's x column blocks [S, P]
         for im in ct.static_iter(range(m_tiles)):
             if j == 0:
@@ -289,7 +314,7 @@ def scan_chunk(bc, hp, x, B, C, dt_out, dA_cumsum, prev_states, chunk_decay, gro
                 seq_t, c_in = entering_rows(c_in, seq_idx, ib, rows, prev_seq, BLOCK_M)
             a_t = ct.load(dA_cumsum, index=(ib, ih, ic, im), shape=(1, 1, 1, BLOCK_M))
             a_t = a_t.reshape((BLOCK_M,)) * LOG2E  # [M], log2 units
-            acc = ct.mma(c_in, ct.transpose(prev), ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32))
+            acc = entering_mma(c_in, prev, part, BLOCK_M, BLOCK_P, GROUPED)
             acc = acc * ct.exp2(a_t)[:, None]  # entering state, decayed from the chunk start
             for js in ct.static_iter(range((im + 1) * s_per_m)):
                 causal = js >= im * s_per_m  # a diagonal column block, first used here (static)
@@ -328,7 +353,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         dt_out: Array,       # (b, h, c, q) fp32
         dA_cumsum: Array,    # (b, h, c, q) fp32
         prev_states: Array,  # (b, c, h, p, n) state entering each chunk (GROUPED: from its group's start)
-        chunk_decay: Array,  # (b, h, c) fp32, carry from the chunk's group start (GROUPED only)
+        chunk_decay: Array,  # (b, h, c, DECAY_ROW) fp32, carry from the chunk's group start (GROUPED only)
         group_enter: Array,  # (b, G, h, p, n) state entering each group (GROUPED only)
         D: Array,            # (h,) or (h, p) (ignored unless HAS_D)
         z: Array,            # (b, l, h, p) (ignored unless HAS_Z)
@@ -355,7 +380,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         PERSISTENT: ConstBool,
         WHOLE_CHUNK: ConstBool,  # persistent only: a tile is all row blocks of a chunk
         SHARED: ConstBool,       # whole-chunk tiles, every chunk full: scan_chunk
-        GROUPED: ConstBool,      # stage 2 walked its chunks in groups (ssd.state_passing.Groups)
+        GROUPED: ConstInt,       # GROUP_NONE, or how to complete a grouped stage 2's states
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -425,7 +450,7 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
         tiles = grid[0] * grid[2] * (1 if config.whole_chunk else grid[1])
         grid = (min((config.occupancy or 1) * sms, tiles), 1, 1)
     launch(kernel, grid, (x, B, C, dt_out, dA_cumsum, prev_states,
-                          optional(groups and groups.chunk_decay, 3, torch.float32, dev),
+                          optional(groups and groups.chunk_decay, 4, torch.float32, dev),
                           optional(groups and groups.group_enter, 5, prev_states.dtype, dev),
                           optional(D, 2, torch.float32, dev), optional(z, 4, x.dtype, dev),
                           optional(seq_idx, 2, torch.int32, dev),
@@ -434,6 +459,7 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           q, config.block_h, config.block_m, config.block_s,
                           config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
                           z is not None, seq_idx is not None, config.persistent,
-                          config.whole_chunk, config.shared and l % q == 0, groups is not None),
+                          config.whole_chunk, config.shared and l % q == 0,
+                          GROUP_NONE if groups is None else GROUP_MMA if config.group_mma else GROUP_ADD),
            device=dev)
     return out

@@ -124,7 +124,9 @@ class ScanConfig:
     ``shared`` (whole_chunk only): where every chunk is full, the tile's ``block_h`` heads are
     walked one after another and each of its tiles of C, B, x and the entering states is loaded
     once (C and B once for all its heads); otherwise the row blocks reload what they share and
-    the heads sit side by side, as in the other tiles."""
+    the heads sit side by side, as in the other tiles. ``group_mma``: after a stage 2 walked in
+    groups of chunks, the group's part of each entering state by an MMA of its own instead of
+    added to the stored state in registers before the MMA."""
 
     block_h: int = 2
     block_m: int = 64
@@ -136,6 +138,7 @@ class ScanConfig:
     persistent: bool = True
     whole_chunk: bool = False
     shared: bool = False
+    group_mma: bool = False
 
     def __post_init__(self):
         if self.whole_chunk and not self.persistent:

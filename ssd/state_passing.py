@@ -106,8 +106,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
         prev_states: Array,     # (b, c, h, p, n) out: state entering each chunk (GROUPED: from
                                 # the group's start, a zero state there)
         final_states: Array,    # (b, h, p, n) fp32 out (unless GROUPED)
-        chunk_decay: Array,     # (b, h, c) fp32 out (GROUPED): carry from the group's start to
-                                # each chunk's start
+        chunk_decay: Array,     # (b, h, c, DECAY_ROW) fp32 out (GROUPED): carry from the group's
+                                # start to each chunk's start, repeated along the row
         group_end: Array,       # (b, G, h, p, n) fp32 out (GROUPED): each group's state after
                                 # its last chunk, from a zero state
         group_decay: Array,     # (b, h, G) fp32 out (GROUPED): carry over each whole group
@@ -164,7 +164,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None,
                 prev_seq = ct.where(c0 > 0, last, prev_seq)
             decay = ct.full((1, 1), 1.0, dtype=ct.float32)
             for ic in range(c0, ct.minimum(c0 + chunks_per_group, nchunks)):
-                ct.store(chunk_decay, index=(ib, ih, ic), tile=decay.reshape((1, 1, 1)))
+                ct.store(chunk_decay, index=(ib, ih, ic, 0), tile=decay.reshape((1, 1, 1, 1))
+                         * ct.full((1, 1, 1, DECAY_ROW), 1.0, dtype=ct.float32))
                 state, prev_seq, factor = walk_chunk(state, ic, prev_seq, *walk)
                 decay = decay * factor
             store_state(group_end, state, ib, grp, ih, ip, jn, BLOCK_P, BLOCK_N, transposed)
@@ -236,6 +237,12 @@ def _outputs(b, nchunks, h, p, n, device, config, input_dtype, out):
             torch.empty((b, h, p, n), device=device, dtype=torch.float32))
 
 
+# chunk_decay's last axis: the carry repeated over a row of 32 bytes, so that chunk_scan loads it
+# as a row by TMA and takes one element out (ct.extract), as chunk_state.chunk_end_decay does with
+# dA_cumsum; a one-element tile is a cp.async the consumer warps issue and wait out themselves.
+DECAY_ROW = 8
+
+
 def chunks_per_group(nchunks: int, groups: int) -> int:
     """Chunks a group of the GROUPED walk covers (the last group may be shorter or empty)."""
     return -(-nchunks // groups)
@@ -243,10 +250,11 @@ def chunks_per_group(nchunks: int, groups: int) -> int:
 
 class Groups(NamedTuple):
     """What chunk_scan needs from a grouped walk besides the states it stored:
-    chunk_decay (b, h, c) fp32, the carry from each chunk's group start to the chunk;
+    chunk_decay (b, h, c, DECAY_ROW) fp32, the carry from each chunk's group start to the chunk
+    (repeated along the last axis);
     group_enter (b, G, h, p, n) in the states' dtype, the state entering each group; and
     chunks_per_group. The state entering chunk c is
-    prev_states[c] + chunk_decay[c] group_enter[c // chunks_per_group]."""
+    prev_states[c] + chunk_decay[c, 0] group_enter[c // chunks_per_group]."""
 
     chunk_decay: object
     group_enter: object
@@ -271,7 +279,7 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     if grouped:
         f32 = dict(device=dev, dtype=torch.float32)
         chunk_decay = out[2] if out and len(out) > 2 and out[2] is not None else \
-            torch.empty((b, h, nchunks), **f32)
+            torch.empty((b, h, nchunks, DECAY_ROW), **f32)
         group_end = torch.empty((b, G, h, p, n), **f32)
         group_decay = torch.empty((b, h, G), **f32)
     else:
@@ -286,7 +294,7 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
         optional(dt_out, 4, torch.float32, dev), dA_cumsum, optional(states, 5, torch.float32, dev),
         optional(initial_states, 4, torch.float32, dev), optional(seq_idx, 2, torch.int32, dev),
         optional(seq_last, 2, torch.int32, dev), prev_states, final_states,
-        optional(chunk_decay, 3, torch.float32, dev), optional(group_end, 5, torch.float32, dev),
+        optional(chunk_decay, 4, torch.float32, dev), optional(group_end, 5, torch.float32, dev),
         optional(group_decay, 3, torch.float32, dev),
         x.shape[1] if fused else 0, nchunks, h // B.shape[2] if fused else 1, n_tiles, slices, cpg,
         q, min(config.block_k, q), config.block_p, block_n, fused, initial_states is not None,

@@ -87,7 +87,7 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="fl
     """NaN-filled output buffers for every stage, shaped as the stages write them:
     dt_out, dA_cumsum (b,h,c,q) fp32; prev_states (b,c,h,p,n) in ``state_dtype``;
     final_states (b,h,p,n) fp32; y (b,l,h,p) in ``dtype``; with ``split`` also states
-    (b,c,h,p,n) fp32; with ``groups`` > 1 also chunk_decay (b,h,c) fp32 and group_enter
+    (b,c,h,p,n) fp32; with ``groups`` > 1 also chunk_decay (b,h,c,DECAY_ROW) fp32 and group_enter
     (b,groups,h,p,n) in ``state_dtype``."""
     import torch
 
@@ -104,7 +104,9 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="fl
     if split:
         out["states"] = torch.full((b, c, h, p, n), dtype=torch.float32, **nan)
     if groups > 1:
-        out["chunk_decay"] = torch.full((b, h, c), dtype=torch.float32, **nan)
+        from .state_passing import DECAY_ROW
+
+        out["chunk_decay"] = torch.full((b, h, c, DECAY_ROW), dtype=torch.float32, **nan)
         out["group_enter"] = torch.full((b, groups, h, p, n), dtype=getattr(torch, state_dtype), **nan)
     return out
 
@@ -143,7 +145,9 @@ def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config) -> dict:
         # states chunk_scan forms from them, prev_states[c] + chunk_decay[c] group_enter[g(c)].
         cpg = chunks_per_group(spec.nchunks, config.state.groups)
         g_of = torch.arange(spec.nchunks, device=r["prev_states"].device) // cpg
-        decay = r.pop("chunk_decay").double().permute(0, 2, 1)[..., None, None]  # (b, c, h, 1, 1)
+        row = r.pop("chunk_decay")   # (b, h, c, DECAY_ROW): the carry repeated along the row
+        assert torch.equal(row, row[..., :1].expand_as(row)), "chunk_decay: a row holds one carry"
+        decay = row[..., 0].double().permute(0, 2, 1)[..., None, None]  # (b, c, h, 1, 1)
         r["prev_states"] = r["prev_states"].double() + decay * r.pop("group_enter").double()[:, g_of]
     return r
 

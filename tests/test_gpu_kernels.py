@@ -57,8 +57,12 @@ GROUPS = SSDConfig(state=StateConfig(groups=3))
 GROUPS64 = SSDConfig(state=StateConfig(groups=4, **ONE_WAVE_STATE), scan=ScanConfig(**CHUNK64_SCAN))
 GROUPS_NT = SSDConfig(state=StateConfig(groups=2, transposed=False, block_p=32, block_n=32),
                       scan=ScanConfig(block_s=32, persistent=False))
+# The same two with the group's part of each entering state by an MMA of its own (group_mma).
+GROUPS64M = dataclasses.replace(GROUPS64, scan=dataclasses.replace(GROUPS64.scan, group_mma=True))
+GROUPS_NTM = dataclasses.replace(GROUPS_NT, scan=dataclasses.replace(GROUPS_NT.scan, group_mma=True))
 NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE,
-             SCAN64=SCAN64, GROUPS=GROUPS, GROUPS64=GROUPS64, GROUPS_NT=GROUPS_NT)
+             SCAN64=SCAN64, GROUPS=GROUPS, GROUPS64=GROUPS64, GROUPS_NT=GROUPS_NT,
+             GROUPS64M=GROUPS64M, GROUPS_NTM=GROUPS_NTM)
 # SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
