@@ -616,8 +616,9 @@ def config_space(dims=None, sms: int | None = None):
     The first triple is that default. The factors: the chunk size (given ``dims``,
     what the API picks at each); stage 2 (fused or split, entering-state dtype, the state
     slice ``block_n``, its layout, the narrow slices of few-block problems, other counts of chunk
-    groups where the default walks groups, the occupancy hint); chunk_scan (heads per block, occupancy hint, persistent or one block per tile,
-    whole-chunk tiles of one or two heads, loaded once or per row block, tile shape); for each
+    groups where the default walks groups, the occupancy hint); chunk_scan (heads per block,
+    occupancy hint, persistent or one block per tile, whole-chunk tiles of one or two heads,
+    loaded once or per row block, tile shape); for each
     stage the other compiler hints (a low DRAM-latency hint on its streamed loads, 8 worker warps
     instead of the compiler's 4).
     Choices interact, so this is not a grid: it shows what each knob is worth at the default.
@@ -742,8 +743,7 @@ def config_label(q, cfg: SSDConfig) -> str:
         ("ch", cfg.cumsum.block_h, d.cumsum.block_h), ("g", st.groups, d.state.groups)) if v != dv)
     flags = lambda pairs: "".join(f" {tag}" for tag, on in pairs if on)  # noqa: E731
     st_flags = flags((("T", st.transposed and st.fused),))  # the split kernels ignore it
-    sc_extra = flags((("pers", sc.persistent), ("wc", sc.whole_chunk), ("sh", sc.shared),
-                      ("gm", sc.group_mma)))
+    sc_extra = flags((("pers", sc.persistent), ("wc", sc.whole_chunk), ("sh", sc.shared)))
     return (f"q{q} {'fused' if st.fused else 'split'} {dtype} n{st.block_n}{extra}{st_flags} "
             f"{_hints_label(st)} | h{sc.block_h} m{sc.block_m} s{sc.block_s} p{sc.block_p}"
             f"{sc_extra} {_hints_label(sc)}")

@@ -57,40 +57,32 @@ def head_rows(arr, ib, l_tile, ih, ip, BLOCK_T, BLOCK_P, LATENCY=None):
     return t.reshape((BLOCK_T, BLOCK_P))
 
 
-# GROUPED, how chunk_scan completes the entering states of a grouped stage 2 (ScanConfig.group_mma):
-# not grouped; the group's part added to the stored state before the MMA; the group's part by an
-# MMA of its own, so that neither state goes through registers (both are MMA operands as loaded).
-GROUP_NONE, GROUP_ADD, GROUP_MMA = 0, 1, 2
-
-
 def entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip, chunks_per_group,
                    BLOCK_P, N_PAD, GROUPED, dtype):
     """Tile code: the state entering chunk ``ic`` of head ``ih`` [P, N] in ``dtype`` (the MMA's),
-    and the group's part for GROUP_MMA (its entering state [P, N] in ``dtype`` and the carry
-    [1, 1] to the chunk), else None. Grouped, stage 2 stored the state from the chunk's group
-    start; the group's entering state, carried to the chunk (chunk_decay), completes it: added
-    here (GROUP_ADD) or by :func:`entering_mma` (GROUP_MMA)."""
+    and, GROUPED, the group's part: its entering state [P, N] in ``dtype`` and the carry [1, 1]
+    from the group start to the chunk (chunk_decay), else None. Grouped, stage 2 stored the state
+    from the chunk's group start; :func:`entering_mma` completes it with the group's part."""
     prev = ct.load(prev_states, index=(ib, ic, ih, ip, 0), shape=(1, 1, 1, BLOCK_P, N_PAD),
                    padding_mode=ZERO).reshape((BLOCK_P, N_PAD))
     part = None
-    if GROUPED != GROUP_NONE:
+    if GROUPED:
         enter = ct.load(group_enter, index=(ib, ic // chunks_per_group, ih, ip, 0),
                         shape=(1, 1, 1, BLOCK_P, N_PAD), padding_mode=ZERO).reshape((BLOCK_P, N_PAD))
         row = ct.load(chunk_decay, index=(ib, ih, ic, 0), shape=(1, 1, 1, DECAY_ROW))
         d = ct.extract(row.reshape((DECAY_ROW,)), index=(0,), shape=(1,)).reshape((1, 1))
-        if GROUPED == GROUP_MMA:
-            part = (enter.astype(dtype), d)
-        else:
-            prev = prev.astype(ct.float32) + enter.astype(ct.float32) * d
+        part = (enter.astype(dtype), d)
     return prev.astype(dtype), part
 
 
 def entering_mma(c_in, prev, part, BLOCK_M, BLOCK_P, GROUPED):
-    """Tile code: C . H^T [M, P] fp32 for the entering state H of :func:`entering_state`, with
-    GROUP_MMA the group's part first (its own MMA, scaled by the carry), the stored state's MMA
-    accumulating onto it."""
+    """Tile code: C . H^T [M, P] fp32 for the entering state H of :func:`entering_state`.
+    GROUPED, the group's part first, by an MMA of its own scaled by the carry, and the stored
+    state's MMA accumulating onto it: both states stay MMA operands as loaded. Adding the two
+    states before one MMA took them through registers and back to shared memory: that
+    chunk_scan took 1.08-1.09x as long (screening/stop35/completion.json)."""
     acc = ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32)
-    if GROUPED == GROUP_MMA:
+    if GROUPED:
         enter, d = part
         acc = ct.mma(c_in, ct.transpose(enter), acc) * d
     return ct.mma(c_in, ct.transpose(prev), acc)
@@ -380,7 +372,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         PERSISTENT: ConstBool,
         WHOLE_CHUNK: ConstBool,  # persistent only: a tile is all row blocks of a chunk
         SHARED: ConstBool,       # whole-chunk tiles, every chunk full: scan_chunk
-        GROUPED: ConstInt,       # GROUP_NONE, or how to complete a grouped stage 2's states
+        GROUPED: ConstBool,      # stage 2 walked its chunks in groups (ssd.state_passing.Groups)
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -459,7 +451,6 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           q, config.block_h, config.block_m, config.block_s,
                           config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
                           z is not None, seq_idx is not None, config.persistent,
-                          config.whole_chunk, config.shared and l % q == 0,
-                          GROUP_NONE if groups is None else GROUP_MMA if config.group_mma else GROUP_ADD),
+                          config.whole_chunk, config.shared and l % q == 0, groups is not None),
            device=dev)
     return out

@@ -124,9 +124,7 @@ class ScanConfig:
     ``shared`` (whole_chunk only): where every chunk is full, the tile's ``block_h`` heads are
     walked one after another and each of its tiles of C, B, x and the entering states is loaded
     once (C and B once for all its heads); otherwise the row blocks reload what they share and
-    the heads sit side by side, as in the other tiles. ``group_mma``: after a stage 2 walked in
-    groups of chunks, the group's part of each entering state by an MMA of its own instead of
-    added to the stored state in registers before the MMA."""
+    the heads sit side by side, as in the other tiles."""
 
     block_h: int = 2
     block_m: int = 64
@@ -138,7 +136,6 @@ class ScanConfig:
     persistent: bool = True
     whole_chunk: bool = False
     shared: bool = False
-    group_mma: bool = False
 
     def __post_init__(self):
         if self.whole_chunk and not self.persistent:
@@ -275,12 +272,15 @@ SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
 # completing load); two groups 1.128x, eight (two waves) 0.966x; on shapes with several
 # sequences, where the rule does not apply, every grouping was slower (1.18-1.22x at best).
 # Only for sequences of at least GROUPED_MIN_CHUNKS chunks: on short ones the walk is short
-# anyway and the group kernel and chunk_scan's completing load cost more than the walk saves
-# (results/h200/screening/stop34/rule.json, against the narrow slices in one process: 1 x 512
-# tokens, 8 chunks, 1.44x; 2 x 1536, 24 chunks, 1.18x; long-16k, 256 chunks, 0.913x; 1 x 65536,
-# 1024 chunks, 0.876x). 256 is the shortest measured gain; between 24 and 256 is not measured.
+# anyway and the group kernel and chunk_scan's completion cost more than the walk saves. Against
+# the narrow slices in one process, with chunk_scan completing the entering states by addition
+# (results/h200/screening/stop34/rule.json, rule2.json): 8 chunks 1.44x, 24 chunks 1.18x,
+# 64 chunks 1.013x, 128 chunks 0.956x, 256 (long-16k) 0.913x, 1024 0.876x; with the completion
+# by an MMA of its own, as shipped (stop35/completion.json): 128 chunks 0.888x, 256 0.842x,
+# 1024 0.812x. 128 is the shortest length measured to gain with both; 64 was level by addition
+# and is not measured with the MMA.
 GROUPED_WALK = 4
-GROUPED_MIN_CHUNKS = 256
+GROUPED_MIN_CHUNKS = 128
 
 
 def default_config(capability: tuple[int, int] | None = None,

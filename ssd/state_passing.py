@@ -59,12 +59,8 @@ def walk_chunk(state, ic, prev_seq, x, B, dt_out, dA_cumsum, states, seq_idx, se
     """Tile code: store the running state as chunk ``ic``'s entering state, then carry it over
     the chunk. Returns the state after the chunk, the sequence id at the chunk's end and the
     carry factor [1, 1] (0 where a sequence began)."""
-    if transposed:
-        ct.store(prev_states, index=(ib, ic, ih, jn, ip), order=(0, 1, 2, 4, 3),
-                 tile=state.reshape((1, 1, 1, BLOCK_N, BLOCK_P)).astype(prev_states.dtype))
-    else:
-        ct.store(prev_states, index=(ib, ic, ih, ip, jn),
-                 tile=state.reshape((1, 1, 1, BLOCK_P, BLOCK_N)).astype(prev_states.dtype))
+    store_state(prev_states, state.astype(prev_states.dtype), ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N,
+                transposed)
     factor, prev_seq = carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, BLOCK_K, HAS_SEQ)
     if FUSED:
         state = chunk_state_tile(state * factor, x, B, dt_out, dA_cumsum, seq_idx, seq_last,
@@ -78,8 +74,8 @@ def walk_chunk(state, ic, prev_seq, x, B, dt_out, dA_cumsum, states, seq_idx, se
 
 
 def store_state(arr, state, ib, i1, ih, ip, jn, BLOCK_P, BLOCK_N, transposed):
-    """Tile code: store a running state (transposed or not) as [i1, ih] of a (b, ., h, p, n)
-    array, fp32."""
+    """Tile code: store a running state [P, N] (transposed: [N, P]) as [i1, ih] of a
+    (b, ., h, p, n) array of the state's dtype."""
     if transposed:
         ct.store(arr, index=(ib, i1, ih, jn, ip), order=(0, 1, 2, 4, 3),
                  tile=state.reshape((1, 1, 1, BLOCK_N, BLOCK_P)))

@@ -158,17 +158,15 @@ def test_one_wave_stage2_fits_three_blocks_a_sm():
     assert_fits_a_sm(aot.resource_usage(aot.export_cubin(one_wave_walk(), "sm_90")), 3)
 
 
-def grouped_kernels(group_mma=False):
+def grouped_kernels():
     """The walk and chunk_scan the default takes for few sequences at chunk 64 (GROUPED_WALK
-    groups of whole states), on long-16k's pattern, captured at its array properties; with
-    ``group_mma`` chunk_scan takes the group's part by an MMA of its own."""
+    groups of whole states), on long-16k's pattern, captured at its array properties."""
     from ssd.config import GROUPED_MIN_CHUNKS, GROUPED_WALK, default_config
 
     b, h, p, n = 1, 80, 64, 128
     config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64,
                             seqlen=64 * GROUPED_MIN_CHUNKS)
     assert config.state.groups == GROUPED_WALK
-    config = replace(config, scan=replace(config.scan, group_mma=group_mma))
     records = aot.capture_forward("bfloat16", "layer", True, chunk_size=64, config=config,
                                   dims=(b, 8 * 64, h, p, n, 1))
     return {r.kernel._pyfunc.__name__: r for r in records}
@@ -177,25 +175,20 @@ def grouped_kernels(group_mma=False):
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_grouped_kernels_compile(arch):
     """The grouped path compiles for every architecture (the rule takes it on sm_90 only; a
-    config can ask for it anywhere), with the group's part added or by an MMA of its own."""
+    config can ask for it anywhere)."""
     for record in grouped_kernels().values():
         assert len(aot.export_cubin(record, arch)) > 1000
-    assert len(aot.export_cubin(grouped_kernels(group_mma=True)["chunk_scan_kernel"], arch)) > 1000
 
 
-def test_grouped_completion_loads_by_tma_and_the_mma_keeps_states_out_of_registers():
+def test_grouped_completion_loads_by_tma_and_keeps_states_out_of_registers():
     """sm_90 code of chunk_scan completing the grouped walk's entering states: the carry comes
     as a row by TMA, never a one-element cp.async (LDGSTS), which the consumer warps would wait
-    out themselves (stop 21's finding for stage 2). Added to the stored state, the states go
-    through registers and back to shared memory (STS) for the MMA; by an MMA of their own
-    (group_mma) neither does."""
-    def ops(group_mma):
-        text = aot.sass(aot.export_cubin(grouped_kernels(group_mma)["chunk_scan_kernel"], "sm_90"))
-        return {op: len(re.findall(rf"\b{op}\b", text)) for op in ("LDGSTS", "STS")}
-
-    added, by_mma = ops(False), ops(True)
-    assert added["LDGSTS"] == by_mma["LDGSTS"] == 0
-    assert added["STS"] > 0 == by_mma["STS"]
+    out themselves (stop 21's finding for stage 2); and the group's part is an MMA of its own,
+    so neither state goes through registers and back to shared memory (STS) for the MMA, as
+    the addition of the two that it replaced did (screening/stop35)."""
+    text = aot.sass(aot.export_cubin(grouped_kernels()["chunk_scan_kernel"], "sm_90"))
+    assert {op: len(re.findall(rf"\b{op}\b", text)) for op in ("LDGSTS", "STS")} == {
+        "LDGSTS": 0, "STS": 0}
 
 
 def test_grouped_walk_fits_where_it_ships():

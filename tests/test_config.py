@@ -152,8 +152,8 @@ def test_default_takes_whole_states_where_they_make_stage2_one_wave(b, h, q, one
 
 @pytest.mark.parametrize("b, h, q, l, groups", [
     (1, 80, 64, 16384, 4),    # long-16k: 160 sliced blocks < 2 a SM; 4 x 80 whole states fit at three
-    (1, 80, 64, 16321, 4),    # 256 chunks, the last one ragged: GROUPED_MIN_CHUNKS ...
-    (1, 80, 64, 16320, 1),    # ... 255 chunks: too short (the narrow slices)
+    (1, 80, 64, 8129, 4),     # 128 chunks, the last one ragged: GROUPED_MIN_CHUNKS ...
+    (1, 80, 64, 8128, 1),     # ... 127 chunks: too short (the narrow slices)
     (1, 80, 64, 512, 1),      # a short prompt
     (1, 80, 64, None, 1),     # the length unknown
     (1, 80, 128, 32768, 1),   # only at chunk 64
@@ -168,7 +168,7 @@ def test_default_walks_few_sequences_in_groups_of_chunks(b, h, q, l, groups):
     sequences span GROUPED_MIN_CHUNKS chunks."""
     from ssd.config import GROUPED_MIN_CHUNKS, GROUPED_WALK, NARROW_STATE, ONE_WAVE_STATE
 
-    assert GROUPED_MIN_CHUNKS == 256   # the rows' lengths
+    assert GROUPED_MIN_CHUNKS == 128   # the rows' lengths
     cfg = default_config((9, 0), problem=(b, h, 64, 128), sms=132, chunk_size=q, seqlen=l)
     assert cfg.state.groups == groups
     if groups > 1:
