@@ -1,0 +1,21 @@
+# stop 35 call 2: the full GPU test suite at the landing revision; only if it passes, the
+# first-call, TileGym-replay and serving recordings
+set -u
+python3 -m pip install -q --no-index --no-deps --target /tmp/gpu/xd .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/gpu/xd
+t0=$SECONDS
+echo "sent: $(cat .revision)"
+echo "=== [$((SECONDS-t0))s] GPU tests, all"
+python3 -m pytest -m gpu tests/ -n 16 -q -p no:cacheprovider 2>&1 | grep -v "^SKIPPED" | tail -n 12
+rc=${PIPESTATUS[0]}
+cp results/h200/gpu_tests.json results/h200/gpu_mixer_tests.json $OUT/
+[ "$rc" = 0 ] || { echo "GPU tests failed: rc $rc"; exit 1; }
+echo "=== [$((SECONDS-t0))s] first call"
+python3 -m ssd.bench --suite first-call 2>&1 | grep -v Warning | tail -n 8
+cp results/h200/first-call.json $OUT/
+echo "=== [$((SECONDS-t0))s] replay"
+python3 -m ssd.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 --tilegym-replay results/h200/tilegym_tuned --out results/h200/tilegym_replayed.json 2>&1 | grep -v Warning | tail -n 8
+cp results/h200/tilegym_replayed.json $OUT/
+echo "=== [$((SECONDS-t0))s] serving"
+python3 -m ssd.bench --suite serving --reps 30 2>&1 | grep -v Warning | tail -n 6
+cp results/h200/serving.json $OUT/
+echo "=== [$((SECONDS-t0))s] done"
