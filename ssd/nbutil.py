@@ -191,9 +191,17 @@ def known_revision(rev: str, root: Path = ROOT) -> bool:
     return True
 
 
-def write_code_digests(root: Path = ROOT) -> dict:
-    """Compute :data:`CODE_DIGESTS` from git for every recorded revision it knows, and write it."""
-    revs = [rev for rev in recorded_revisions() if known_revision(rev, root)]
+def write_code_digests(root: Path = ROOT, extra=()) -> dict:
+    """Compute :data:`CODE_DIGESTS` from git for every recorded revision it knows, and for the
+    ``extra`` ones, and write it. An extra revision is the one a GPU call is about to record at
+    (``python -m ssd.nbutil $(cat .revision)``, the table left uncommitted): the call's checkout
+    has no git, and without the digest of its own revision a chapter executed there cannot tell
+    whether its new recordings time the same code as older ones (same_code answers None)."""
+    for rev in extra:
+        if not known_revision(rev, root):
+            raise ValueError(f"{rev!r}: not a commit of this checkout")
+    revs = list(dict.fromkeys([*(rev for rev in recorded_revisions() if known_revision(rev, root)),
+                               *extra]))
     table = {"python": f"{sys.version_info[0]}.{sys.version_info[1]}",
              "paths": {key: list(paths) for paths, key in DIGEST_KEYS.items()},
              "digests": {key: {rev: code_digest(rev, paths, root) for rev in revs}
@@ -298,6 +306,6 @@ def glue(name: str, value, display: bool = True) -> None:
 
 
 if __name__ == "__main__":
-    written = write_code_digests()
+    written = write_code_digests(extra=sys.argv[1:])
     print(f"{CODE_DIGESTS.relative_to(ROOT)}: {len(next(iter(written['digests'].values())))} "
           f"revisions, {len(written['digests'])} path sets")

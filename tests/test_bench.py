@@ -2,6 +2,7 @@
 recorded-results plumbing the GPU chapters use, and the results folder names."""
 import json
 import math
+import subprocess
 import sys
 from dataclasses import replace
 
@@ -226,6 +227,23 @@ def test_code_digests_answer_same_code_without_git(tmp_path, monkeypatch):
     assert same(a, b) is None                                   # b has no digest
     assert same(a, c, paths=nbutil.MEASURED_CODE) is None       # no digests for those paths
     assert same(a, c + "-dirty") is None
+
+
+def test_code_digests_take_the_revision_a_call_is_about_to_record(tmp_path, monkeypatch):
+    # python -m ssd.nbutil REV: the table also holds REV, which no recording names yet, so that a
+    # chapter executed in the GPU call that records at REV can compare its recordings.
+    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=nbutil.ROOT,
+                          capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("no git history here")
+    rev = head.stdout.strip()
+    monkeypatch.setattr(nbutil, "recorded_revisions", lambda: [])
+    monkeypatch.setattr(nbutil, "CODE_DIGESTS", tmp_path / "code_digests.json")
+    table = nbutil.write_code_digests(extra=[rev])
+    assert set(table["digests"]["kernel"]) == {rev}
+    assert table["digests"]["kernel"][rev] == nbutil.code_digest(rev, nbutil.KERNEL_CODE)
+    with pytest.raises(ValueError, match="not a commit"):
+        nbutil.write_code_digests(extra=["0" * 12])
 
 
 def test_code_digests_cover_the_recorded_revisions():
