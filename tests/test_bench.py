@@ -193,8 +193,6 @@ def test_glue_stores_numpy_scalars_as_numbers(monkeypatch):
 
 
 def test_code_digests_answer_same_code_without_git(tmp_path, monkeypatch):
-    import subprocess
-
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
                               cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
