@@ -834,6 +834,36 @@ def plot_suite(payload, ax=None, mode="graph", l2="flushed"):
 # ----------------------------------------------------------------------------- CLI
 
 
+#: The compile caches a first call could find warm: cuTile's (ours, TileGym's) and Triton's
+#: (mamba_ssm's). A machine that ran the GPU tests before a benchmark holds our kernels in the
+#: first (stop 35's models run: every first call <= 0.8 s, against 2.6 s and more in the fresh
+#: processes of the first-call suite of the same session), so first_call_s timed no compilation.
+KERNEL_CACHE_VARS = ("CUDA_TILE_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def fresh_kernel_caches(stack: contextlib.ExitStack) -> dict:
+    """Point each of :data:`KERNEL_CACHE_VARS` that the caller left unset at an empty folder of
+    this process's own (removed when ``stack`` closes), so that every first call of the run
+    compiles (and mamba_ssm's autotunes) from nothing, as a never-seen shape would. Must run before
+    cuda.tile or triton is imported: they read the variables then. Returns {variable: "fresh" or
+    "caller's"} for the environment record."""
+    loaded = [m for m in ("cuda.tile", "triton") if m in sys.modules]
+    if loaded:
+        raise RuntimeError(f"fresh_kernel_caches: {', '.join(loaded)} already imported; "
+                           "it would keep the cache it found")
+    root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ssd-bench-caches-")))
+    state = {}
+    for var in KERNEL_CACHE_VARS:
+        if os.environ.get(var):
+            state[var] = "caller's"
+            continue
+        os.environ[var] = str(root / var.lower())
+        os.makedirs(os.environ[var])
+        stack.callback(os.environ.pop, var, None)
+        state[var] = "fresh"
+    return state
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ssd.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--suite", choices=[*SUITES, "study", "first-call"], default="models")
@@ -875,7 +905,13 @@ def main(argv=None) -> int:
         parser.error(f"--shapes: {', '.join(unknown)} not in the {args.suite} suite "
                      f"(it has: {', '.join(pool) or 'no named shapes'})")
     shapes = [pool[n] for n in names]
-    env = environment()
+    with contextlib.ExitStack() as stack:
+        caches = fresh_kernel_caches(stack)
+        return _run(parser, args, shapes, names, caches)
+
+
+def _run(parser, args, shapes, names, caches) -> int:
+    env = dict(environment(), kernel_caches=caches)
     replay = None
     if args.tilegym_replay:
         replay = {s.name: tilegym_replay_source(args.tilegym_replay, s.name) for s in shapes}

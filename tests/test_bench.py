@@ -451,6 +451,30 @@ def test_main_rejects_shapes_outside_the_suite(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_fresh_kernel_caches_unless_the_caller_set_one(monkeypatch):
+    """python -m ssd.bench gives cuTile and Triton empty caches of its own, so that a first call
+    compiles even on a machine that compiled the same kernels before; a cache the caller named
+    is kept, and the record says which."""
+    import contextlib
+    import os
+    import types
+
+    for name in ("cuda.tile", "triton"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delenv("CUDA_TILE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/mine")
+    with contextlib.ExitStack() as stack:
+        state = bench.fresh_kernel_caches(stack)
+        fresh = os.environ["CUDA_TILE_CACHE_DIR"]
+        assert state == {"CUDA_TILE_CACHE_DIR": "fresh", "TRITON_CACHE_DIR": "caller's"}
+        assert os.path.isdir(fresh) and not os.listdir(fresh)
+        assert os.environ["TRITON_CACHE_DIR"] == "/somewhere/mine"
+    assert "CUDA_TILE_CACHE_DIR" not in os.environ and not os.path.exists(fresh)
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    with contextlib.ExitStack() as stack, pytest.raises(RuntimeError, match="already imported"):
+        bench.fresh_kernel_caches(stack)
+
+
 def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
     """--out arrives as a str; a stop-9 device run lost its results to `str.parent`."""
     import json
