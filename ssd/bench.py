@@ -543,12 +543,14 @@ def speedups(records, over="mamba_ssm", mode="graph", l2="flushed") -> dict:
 # groups and the state size. So one shape of each: a ragged last chunk at every chunk size, four
 # groups with a small state and a head dim of 96, and full chunks at 64, 128 and 256 (the models
 # shapes' case; stop 29 found whole-chunk tiles compiling for ~10 s there, which the first two
-# never reach), and one long sequence whose default walks its chunks in groups (GROUPED_WALK:
-# three kernels of its own, a ragged last chunk).
+# never reach), and two long sequences whose default walks its chunks in groups (GROUPED_WALK:
+# three kernels of its own), one with a ragged last chunk and one with full chunks only (stop 36's
+# models run found long-16k's grouped whole-chunk tiles compiling for longer than the goal allows).
 FIRST_CALL_SHAPES = (Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1),
                      Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4),
                      Shape("unseen-2x1536-full", 2, 1536, 48, 64, 128, 1),
-                     Shape("unseen-1x17000-grouped", 1, 17000, 72, 64, 128, 1))
+                     Shape("unseen-1x17000-grouped", 1, 17000, 72, 64, 128, 1),
+                     Shape("unseen-1x12288-grouped-full", 1, 12288, 64, 64, 128, 1))
 
 
 def first_call_seconds(shape: Shape, chunk_size=OUR_CHUNK) -> dict:

@@ -563,8 +563,9 @@ def test_tilegym_replay_source_reads_a_recorded_tuning_run(tmp_path):
 def test_first_call_shapes_reach_both_last_chunks():
     """The first-call goal's never-seen shapes take both launcher paths at every suite chunk size:
     a ragged last chunk and full chunks only (where whole-chunk tiles that load once may run, the
-    slowest kernel to compile; stop 29 found it missing from this suite), and one takes the
-    grouped walk at the first-call chunk size."""
+    slowest kernel to compile; stop 29 found it missing from this suite), and the grouped walk at
+    the first-call chunk size is taken both ways too (stop 36's models run found its full-chunk
+    tiles compiling for longer than the goal allows, with no such shape in this suite)."""
     for q in bench.SUITE_CHUNKS:
         ragged = [s for s in bench.FIRST_CALL_SHAPES if s.l % q]
         assert ragged and len(ragged) < len(bench.FIRST_CALL_SHAPES), q
@@ -572,4 +573,4 @@ def test_first_call_shapes_reach_both_last_chunks():
     assert not {s.name for s in bench.FIRST_CALL_SHAPES} & suites   # never seen by a suite
     grouped = [s for s in bench.FIRST_CALL_SHAPES
                if bench.shape_default(s.dims, 132).state.groups > 1]   # the grouped walk's kernels
-    assert len(grouped) == 1 and grouped[0].l % bench.OUR_CHUNK
+    assert sorted(bool(s.l % bench.OUR_CHUNK) for s in grouped) == [False, True]
