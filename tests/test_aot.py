@@ -95,7 +95,7 @@ import sys, time
 from ssd import aot
 from ssd.config import default_config
 q = int(sys.argv[1]); b, l, h, p, n, g = map(int, sys.argv[2:8])
-config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=q)
+config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=q, seqlen=l)
 records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config,
                               dims=(b, l, h, p, n, g))
 (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
@@ -105,7 +105,14 @@ print(time.perf_counter() - start)
 """
 
 
-@pytest.mark.parametrize("dims", [(4, 128, 80, 64, 128, 1), (16, 128, 32, 64, 64, 1)])
+@pytest.mark.parametrize("dims", [
+    (4, 128, 80, 64, 128, 1), (16, 128, 32, 64, 64, 1),
+    # one long sequence: the grouped walk, whose chunk_scan completes each entering state from its
+    # group's, over the same whole-chunk tiles (long-16k's case)
+    pytest.param((1, 8192, 80, 64, 128, 1), marks=pytest.mark.xfail(strict=True, reason=(
+        "stop 36: 5.9 s on this CPU, a first call of 12.6-13.3 s on the H200 (results/h200/"
+        "first-call.json); screening/stop36/compile-branch.diff brings it to ~1.2 s, not yet "
+        "timed on a GPU")))])
 def test_chunk64_scan_compiles_in_seconds(dims):
     """The first-call goal (10 s for a never-seen shape, every kernel compiled) at the default
     chunk size, 64, with full chunks: the chunk_scan the default takes there compiles for sm_90 in
