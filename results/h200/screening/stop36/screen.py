@@ -2,8 +2,8 @@
 (a branch around the whole-chunk tile, see README.md) against this tree's, each in a fresh process
 with an empty cuTile cache: first call (compilation included), the correctness gate, the forward
 (graph replay, L2 flushed) and each stage alone, on the shapes whose chunk_scan compiled slowly
-(long-16k, a grouped full-chunk sequence, small-state at 128 and 256) and on 2.7b at 64, which no
-variant changes (the run's noise). Every process is a fresh interpreter, so the trees alternate.
+(long-16k, a grouped full-chunk sequence, small-state at 128 and 256, a state 256 wide at 64) and
+on 2.7b at 64, which no variant changes (the run's noise). Every process is a fresh interpreter, so the trees alternate.
 
 Usage, from the repository root: python screen.py OUT.json NAME=TREE ... [--rounds N]
 (TREE: a folder holding a patched copy of ssd/; this tree runs as "main")."""
@@ -29,7 +29,7 @@ print("RESULT " + json.dumps(out))
 '''
 SHAPES = [("long-16k", 1, 16384, 80, 64, 128, 1, 64), ("1x12288-full", 1, 12288, 64, 64, 128, 1, 64),
           ("small-state", 16, 1024, 32, 64, 64, 1, 128), ("small-state", 16, 1024, 32, 64, 64, 1, 256),
-          ("2.7b", 4, 4096, 80, 64, 128, 1, 64)]
+          ("n256", 8, 2048, 32, 64, 256, 1, 64), ("2.7b", 4, 4096, 80, 64, 128, 1, 64)]
 
 
 def main(out_path, variants, rounds):
