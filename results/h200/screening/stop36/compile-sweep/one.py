@@ -1,6 +1,6 @@
 import os, sys, time, json
 os.environ["CUDA_TILE_CACHE_DIR"] = "off"
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, ".")  # run from the repository root
 from ssd import aot
 from ssd.config import default_config
 b, l, h, p, n, g = map(int, sys.argv[1:7]); q = int(sys.argv[7]) if len(sys.argv) > 7 else 64
