@@ -93,11 +93,10 @@ def test_chunk64_tile_does_not_spill_where_it_ships():
 _COMPILE_SECONDS = """
 import sys, time
 from ssd import aot
-from ssd.config import default_config
-q = int(sys.argv[1]); b, l, h, p, n, g = map(int, sys.argv[2:8])
-config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=q, seqlen=l)
-records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config,
-                              dims=(b, l, h, p, n, g))
+from ssd.bench import shape_default
+q = int(sys.argv[1]); dims = tuple(map(int, sys.argv[2:8]))
+config = shape_default(dims, 132, chunk_size=q)
+records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config, dims=dims)
 (scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
 start = time.perf_counter()
 aot.export_cubin(scan, "sm_90")
