@@ -4,6 +4,8 @@
 * ``ssd.problem``    named problem shapes with seeded inputs and per-stage references.
 * ``ssd.mamba_chunk_scan_combined``  the cuTile forward (needs an NVIDIA GPU, torch and
   cuda-tile); imported lazily so that the CPU chapters need neither.
+* ``ssd.wait_tuned``  wait for tuned kernels still compiling in the background (a first call
+  runs a quick build of chunk_scan meanwhile; see ``ssd._tiered``).
 * stage kernels: ``ssd.chunk_cumsum``, ``ssd.chunk_state``, ``ssd.state_passing``,
   ``ssd.chunk_scan``; tile sizes in ``ssd.config``.
 """
@@ -14,6 +16,7 @@ _LAZY = {
     "forward_stages": "ssd.api",
     "SSDConfig": "ssd.config",
     "default_config": "ssd.config",
+    "wait_tuned": "ssd._tiered",
 }
 
 

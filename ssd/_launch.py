@@ -13,10 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import time
 import typing
 from dataclasses import dataclass
 
 import cuda.tile as ct
+
+from . import _tiered
 
 INT32_MAX = 2**31 - 1
 
@@ -54,15 +57,37 @@ def capture():
         _captured = previous
 
 
-def launch(kernel, grid: tuple, args: tuple, device=None) -> None:
-    """Launch ``kernel`` over ``grid`` on the current stream of ``device`` (or record it)."""
+_launched: set = set()  # kernels launched at least once in this process
+
+
+def launch(kernel, grid: tuple, args: tuple, device=None, quick=None) -> None:
+    """Launch ``kernel`` over ``grid`` on the current stream of ``device`` (or record it).
+
+    quick: an :class:`ssd._tiered.QuickFirst` for a kernel whose tuned build compiles for long;
+    until that build is ready the quick one runs in its place (see :mod:`ssd._tiered`).
+    """
+    grid, args = tuple(grid), tuple(args)
     if _captured is not None:
-        _captured.append(Launch(kernel, tuple(grid), tuple(args)))
+        _captured.append(Launch(kernel, grid, args))
         return
     import torch
 
     with torch.cuda.device(device):
-        ct.launch(torch.cuda.current_stream(), tuple(grid), kernel, tuple(args))
+        if quick is not None and kernel not in _tiered.settled:
+            arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
+            kernel = _tiered.pick(kernel, quick, Launch(kernel, grid, args), arch,
+                                  torch.cuda.is_current_stream_capturing())
+        if kernel in _launched:
+            ct.launch(torch.cuda.current_stream(), grid, kernel, args)
+            return
+        # A first launch compiles (seconds, in silence otherwise); later ones of other
+        # signatures compile too, and say nothing.
+        name = kernel._pyfunc.__name__.removesuffix("_kernel")
+        _tiered.log.info("%s: first launch in this process (compiles unless cached)", name)
+        start = time.perf_counter()
+        ct.launch(torch.cuda.current_stream(), grid, kernel, args)
+        _launched.add(kernel)
+        _tiered.log.info("%s: launched after %.1f s", name, time.perf_counter() - start)
 
 
 @functools.lru_cache(maxsize=None)

@@ -407,6 +407,13 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
     return chunk_scan_kernel
 
 
+# The tuned build can take tileiras 10-13 s (the grouped walk with full chunks at 64), so until it
+# is ready a first call runs a build with the occupancy hint at 1: one block a SM leaves tileiras
+# no occupancy to search pipelines for, and it compiles in 1-3 s (stop 37's occupancy screen:
+# long-16k's first call 13.3 -> 6.9 s, the forward 1.12-1.44x as long). See ssd._tiered.
+QUICK_OCCUPANCY = 1
+
+
 def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=None,
                seq_last=None, config: ScanConfig = ScanConfig(), out=None, groups=None):
     """Launch stage 3.
@@ -432,8 +439,15 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     if (h // g) % config.block_h:
         raise ValueError(f"block_h={config.block_h} must divide the heads per group ({h // g}); "
                          "SSDConfig.for_problem picks one that does")
-    kernel = build_kernel(index_dtype_for(x, z, out, prev_states), config.occupancy,
-                          config.latency, config.warps)
+    index_dtype = index_dtype_for(x, z, out, prev_states)
+    kernel = build_kernel(index_dtype, config.occupancy, config.latency, config.warps)
+    quick = None
+    if config.occupancy != QUICK_OCCUPANCY:
+        from ._tiered import QuickFirst, Rebuild
+
+        quick = QuickFirst(build_kernel(index_dtype, QUICK_OCCUPANCY, config.latency, config.warps),
+                           Rebuild("ssd.chunk_scan", "build_kernel",
+                                   (index_dtype, config.occupancy, config.latency, config.warps)))
     p_tiles = -(-p // config.block_p)
     n_pad = next_pow2(n)
     grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)
@@ -452,5 +466,5 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
                           config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
                           z is not None, seq_idx is not None, config.persistent,
                           config.whole_chunk, config.shared and l % q == 0, groups is not None),
-           device=dev)
+           device=dev, quick=quick)
     return out

@@ -234,6 +234,39 @@ def test_bitwise_identical_reruns():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+def test_quick_first_call_computes_what_the_tuned_build_computes(monkeypatch, gpu_record):
+    """A first launch of chunk_scan runs its quick build (occupancy hint 1) while the tuned one
+    compiles in a child process (ssd._tiered); both must write every element and agree bit for
+    bit (the same tile code on the same tiles), and the quick one must pass the reference. The
+    other GPU tests check the tuned builds (conftest turns the quick first call off)."""
+    from ssd import _tiered, chunk_scan
+    from ssd.validate import STAGE_KEYS
+
+    monkeypatch.setenv("SSD_QUICK_FIRST_CALL", "1")
+    if _tiered.cache_dir() is None:
+        pytest.skip("cuTile's kernel cache is off: no quick first call")
+    spec = ProblemSpec(1, 1024, 64, 64, 128, 1, chunk_size=64, D="h", dt_bias=True,
+                       dt_softplus=True, initial_states=True, name="quick-first")
+    # GROUPS64 with a latency hint no other test uses: a kernel this process has not launched
+    config = dataclasses.replace(GROUPS64, scan=dataclasses.replace(GROUPS64.scan, latency=9))
+    tuned = chunk_scan.build_kernel(chunk_scan.ct.int32, 2, 9, None)
+    assert config.scan.occupancy == 2 and tuned not in _tiered.settled
+    inputs = device_inputs(spec, seed_for(spec.name), "bfloat16")
+    ref = reference_of(spec, inputs)
+    quick = run_stages(spec, inputs, "bfloat16", config)
+    assert tuned in _tiered._pending, "the first launch did not start a background build"
+    assert _tiered.wait_tuned() == 1 and tuned in _tiered.settled
+    again = run_stages(spec, inputs, "bfloat16", config)
+    assert set(quick) == set(again) and set(quick) <= set(STAGE_KEYS)
+    for key in quick:
+        assert torch.equal(quick[key], again[key]), f"{key}: the quick and tuned builds differ"
+    err = rel_err(quick["y"], ref["y"])
+    gpu_record.append(dict(test="quick-first-call", shape=spec.name, dims=list(spec.dims),
+                           chunk_size=spec.chunk_size, dtype="bfloat16", stage="y",
+                           rel_err=err, tol=TOL["bfloat16"]))
+    assert err <= TOL["bfloat16"], f"y: rel err {err:.3e}"
+
+
 def test_api_rejects_bad_input_on_gpu():
     spec = EDGE_SHAPES["three-chunks"]
     inputs = device_inputs(spec, seed_for("bad"), "bfloat16")
