@@ -122,6 +122,34 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
     return True
 
 
+#: Commits that changed :data:`KERNEL_CODE` but no kernel the GPU runs once its tuned builds are
+#: ready: every kernel's TileIR is the same before and after (tests/test_nbutil_kernels.py compiles
+#: the forward's kernels at both revisions and compares them), so a steady-state time recorded
+#: before one is a time of the kernels after it (:func:`same_kernels`). {commit: what it changed}
+SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch code only"}
+
+
+def same_kernels(*revisions, root: Path = ROOT) -> bool | None:
+    """Whether recordings at these git revisions time the same kernels in steady state:
+    :func:`same_code` over :data:`KERNEL_CODE`, or else every commit between two of them that
+    changed it either changed only comments and docstrings or is one of :data:`SAME_KERNELS`.
+    (A first call can differ: chunk_scan's quick build, ``ssd._tiered``, is such a commit.) None
+    where git cannot tell."""
+    same = same_code(*revisions, paths=KERNEL_CODE, root=root)
+    if same is not False:
+        return same
+    revs = list(dict.fromkeys(revisions))
+    if not all(known_revision(r, root) for r in revs):
+        return None
+    git = functools.partial(_git, root)
+    for rev in revs[1:]:
+        for commit in git("log", "--format=%H", f"{revs[0]}...{rev}", "--", *KERNEL_CODE).split():
+            if not any(commit.startswith(c) for c in SAME_KERNELS) and \
+                    same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True:
+                return False
+    return True
+
+
 #: ``results/code_digests.json``: for each git revision the recordings name, a digest of the
 #: code :func:`same_code` compares (:func:`code_digest`), so that it can answer where git
 #: cannot: a GPU machine handed the working tree without its history, a copy without ``.git``.

@@ -1,0 +1,59 @@
+"""ssd.nbutil.same_kernels: the commits it lets a steady-state recording outlive must leave every
+kernel as it was. For each commit of SAME_KERNELS the forward's kernels are built at the revision
+before it and at it, from the same folder (the TileIR records source locations), and their TileIR
+bytecode compared (tests/kernel_bytecode.py; cuTile's front end only, no tileiras)."""
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cuda.tile")
+
+from ssd.env import ROOT  # noqa: E402
+from ssd.nbutil import SAME_KERNELS, same_kernels  # noqa: E402
+
+SCRIPT = Path(__file__).with_name("kernel_bytecode.py")
+
+
+def kernel_bytecode(rev: str, tree: Path) -> dict:
+    """{kernel: bytecode digest} of the ``ssd`` package at git revision ``rev``, unpacked in
+    ``tree`` (emptied first)."""
+    if tree.exists():
+        subprocess.run(["rm", "-rf", str(tree)], check=True)
+    tree.mkdir()
+    archive = subprocess.run(["git", "archive", rev, "ssd"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    tarfile.open(fileobj=io.BytesIO(archive)).extractall(tree, filter="data")
+    out = subprocess.run([sys.executable, str(SCRIPT)], cwd=tree, capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tree)}, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("commit", sorted(SAME_KERNELS))
+def test_a_same_kernels_commit_changes_no_kernel(commit, tmp_path):
+    before = kernel_bytecode(f"{commit}^", tmp_path / "tree")
+    after = kernel_bytecode(commit, tmp_path / "tree")
+    assert len(before) > 100 and before.keys() == after.keys()
+    assert [k for k in before if before[k] != after[k]] == []
+
+
+def test_same_kernels_is_false_across_a_kernel_change():
+    """292cece changed chunk_scan's tile code (its grouped completion by MMA); e0ccb07, the
+    revision of the current recordings, has its kernels."""
+    assert same_kernels("292cece^", "292cece") is False
+    assert same_kernels("292cece", "e0ccb07") is True
+
+
+def test_same_kernels_passes_a_listed_commit_only():
+    """Across the quick first call's landing the kernel code differs, the kernels do not."""
+    from ssd.nbutil import KERNEL_CODE, same_code
+
+    assert same_code("9faf4d9", "e81deae", paths=KERNEL_CODE) is False
+    assert same_kernels("9faf4d9", "e81deae") is True
+    assert same_kernels("292cece^", "e81deae") is False   # and not across an earlier change
