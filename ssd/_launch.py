@@ -73,9 +73,9 @@ def launch(kernel, grid: tuple, args: tuple, device=None, quick=None) -> None:
     import torch
 
     with torch.cuda.device(device):
-        if quick is not None and kernel not in _tiered.settled:
+        if quick is not None and (key := _tiered.launch_key(kernel, args)) not in _tiered.settled:
             arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
-            kernel = _tiered.pick(kernel, quick, Launch(kernel, grid, args), arch,
+            kernel = _tiered.pick(key, quick, Launch(kernel, grid, args), arch,
                                   torch.cuda.is_current_stream_capturing())
         if kernel in _launched:
             ct.launch(torch.cuda.current_stream(), grid, kernel, args)

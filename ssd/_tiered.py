@@ -73,8 +73,17 @@ class _Build:
     started: float
 
 
-_pending: dict = {}   # tuned kernel -> its _Build
-settled: set = set()  # tuned kernels launched as themselves from now on
+_pending: dict = {}   # launch key -> the _Build of its tuned kernel
+settled: set = set()  # launch keys whose tuned kernel launches as itself from now on
+
+
+def launch_key(kernel, args) -> tuple:
+    """What cuTile's launcher compiles ``kernel`` for with ``args``, nearly: the constants and
+    scalars, and each array's dtype, shape and strides. (Not its base address: a view that is not
+    16-byte aligned gets another signature, and its tuned build compiles at its first launch.) A
+    shape never seen before gets its own background build even where the process has launched
+    the kernel for other shapes."""
+    return (kernel, *((a.dtype, a.shape, a.stride()) if hasattr(a, "stride") else a for a in args))
 
 
 def cache_dir() -> str | None:
@@ -89,23 +98,23 @@ def enabled() -> bool:
     return os.environ.get("SSD_QUICK_FIRST_CALL", "1") != "0" and cache_dir() is not None
 
 
-def pick(kernel, quick: QuickFirst, record, arch: str, capturing: bool):
-    """The kernel to launch for ``record`` (a :class:`ssd._launch.Launch` of ``kernel``): the
-    quick build while ``kernel``'s tuned build compiles in a child process (started here on the
-    kernel's first launch), ``kernel`` itself once that is done. ``capturing``: a CUDA graph is
-    being captured, which waits for the tuned build."""
-    build = _pending.get(kernel)
+def pick(key, quick: QuickFirst, record, arch: str, capturing: bool):
+    """The kernel to launch for ``record`` (a :class:`ssd._launch.Launch` of a tuned kernel, whose
+    :func:`launch_key` is ``key``, not yet settled): the quick build while the tuned build compiles
+    in a child process (started here at the key's first launch), the tuned kernel once that is
+    done. ``capturing``: a CUDA graph is being captured, which waits for the tuned build."""
+    build = _pending.get(key)
     if build is None:
         if not enabled():
-            settled.add(kernel)
-            return kernel
-        build = _pending[kernel] = start(record, quick.tuned, arch, cache_dir())
+            settled.add(key)
+            return record.kernel
+        build = _pending[key] = start(record, quick.tuned, arch, cache_dir())
         log.info("%s: compiling its tuned build in the background (pid %d); a quick build "
                  "(occupancy 1) runs until it is in the kernel cache", build.name, build.proc.pid)
     if build.proc.poll() is None and not capturing:
         return quick.quick
-    _finish(kernel)
-    return kernel
+    _finish(key)
+    return record.kernel
 
 
 def start(record, tuned: Rebuild, arch: str, cache: str) -> _Build:
@@ -124,12 +133,12 @@ def start(record, tuned: Rebuild, arch: str, cache: str) -> _Build:
     return _Build(name.removesuffix("_kernel"), proc, err, time.perf_counter())
 
 
-def _finish(kernel, timeout: float | None = None) -> None:
-    build = _pending.pop(kernel)
+def _finish(key, timeout: float | None = None) -> None:
+    build = _pending.pop(key)
     try:
         code = build.proc.wait(timeout)
     except subprocess.TimeoutExpired:
-        _pending[kernel] = build
+        _pending[key] = build
         raise
     seconds = time.perf_counter() - build.started
     if code:
@@ -140,7 +149,7 @@ def _finish(kernel, timeout: float | None = None) -> None:
     else:
         log.info("%s: tuned build ready after %.1f s", build.name, seconds)
     build.stderr.close()
-    settled.add(kernel)
+    settled.add(key)
 
 
 def wait_tuned(timeout: float | None = None) -> int:
@@ -148,8 +157,8 @@ def wait_tuned(timeout: float | None = None) -> int:
     every later launch runs tuned kernels (benchmarks call this before timing). Returns how many
     builds it waited for; raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds a build."""
     waited = 0
-    for kernel in list(_pending):
-        _finish(kernel, timeout)
+    for key in list(_pending):
+        _finish(key, timeout)
         waited += 1
     return waited
 

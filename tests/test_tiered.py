@@ -88,40 +88,61 @@ def fresh_state(monkeypatch, tmp_path):
     return procs
 
 
+def pick(tuned, quick, capturing, args=()):
+    """What ssd._launch.launch asks for a launch of ``tuned`` with ``args``, unless settled."""
+    key = _tiered.launch_key(tuned, args)
+    if key in _tiered.settled:
+        return tuned
+    return _tiered.pick(key, quick, _launch.Launch(tuned, (1,), args), "sm_90", capturing)
+
+
 def test_quick_build_runs_until_the_tuned_one_is_ready(fresh_state, caplog):
     tuned, quick = object(), _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f"))
     with caplog.at_level(logging.INFO, logger="ssd"):
-        assert _tiered.pick(tuned, quick, None, "sm_90", capturing=False) is quick.quick
-        assert _tiered.pick(tuned, quick, None, "sm_90", capturing=False) is quick.quick
+        assert pick(tuned, quick, False) is quick.quick
+        assert pick(tuned, quick, False) is quick.quick
         assert len(fresh_state) == 1 and "pid 4242" in caplog.text
         fresh_state[0].code = 0
-        assert _tiered.pick(tuned, quick, None, "sm_90", capturing=False) is tuned
-    assert tuned in _tiered.settled and not _tiered._pending
+        assert pick(tuned, quick, False) is tuned
+    assert (tuned,) in _tiered.settled and not _tiered._pending
     assert "tuned build ready" in caplog.text
+
+
+def test_a_new_shape_of_a_settled_kernel_gets_its_own_build(fresh_state):
+    """Keys are per launch, not per kernel: a never-seen shape compiles in the background too."""
+    import torch
+
+    tuned, quick = object(), _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f"))
+    a, b = torch.empty(2, 64), torch.empty(3, 64)
+    assert pick(tuned, quick, False, (a, 64)) is quick.quick
+    assert _tiered.wait_tuned() == 1 and pick(tuned, quick, False, (a, 64)) is tuned
+    assert pick(tuned, quick, False, (torch.empty(2, 64), 64)) is tuned   # the same key
+    assert pick(tuned, quick, False, (b, 64)) is quick.quick and len(fresh_state) == 2
+    assert pick(tuned, quick, False, (a, 32)) is quick.quick and len(fresh_state) == 3
+    assert _tiered.launch_key(tuned, (a.t(),)) != _tiered.launch_key(tuned, (a,))
 
 
 def test_graph_capture_waits_for_the_tuned_build(fresh_state):
     tuned, quick = object(), _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f"))
-    assert _tiered.pick(tuned, quick, None, "sm_90", capturing=False) is quick.quick
-    assert _tiered.pick(tuned, quick, None, "sm_90", capturing=True) is tuned
-    assert fresh_state[0].code == 0 and tuned in _tiered.settled
+    assert pick(tuned, quick, False) is quick.quick
+    assert pick(tuned, quick, True) is tuned
+    assert fresh_state[0].code == 0 and (tuned,) in _tiered.settled
 
 
 def test_wait_tuned_finishes_every_build(fresh_state):
     kernels = [object(), object()]
     for k in kernels:
-        _tiered.pick(k, _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f")), None, "sm_90",
-                     capturing=False)
-    assert _tiered.wait_tuned() == 2 and _tiered.settled == set(kernels)
+        pick(k, _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f")), False)
+    assert _tiered.wait_tuned() == 2 and _tiered.settled == {(k,) for k in kernels}
     assert _tiered.wait_tuned() == 0
 
 
 def test_a_failed_build_is_reported_and_the_tuned_kernel_compiles_in_place(fresh_state, caplog):
     tuned, quick = object(), _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f"))
-    _tiered.pick(tuned, quick, None, "sm_90", capturing=False)
+    pick(tuned, quick, False)
     fresh_state[0].code = 3
     with caplog.at_level(logging.WARNING, logger="ssd"):
-        assert _tiered.pick(tuned, quick, None, "sm_90", capturing=False) is tuned
+        assert pick(tuned, quick, False) is tuned
     assert "failed (exit 3)" in caplog.text
 
 
@@ -130,13 +151,13 @@ def test_no_quick_build_when_turned_off_or_without_a_cache(fresh_state, monkeypa
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     tuned, quick = object(), _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f"))
-    assert _tiered.pick(tuned, quick, None, "sm_90", capturing=False) is tuned
-    assert not fresh_state and tuned in _tiered.settled
+    assert pick(tuned, quick, False) is tuned
+    assert not fresh_state and (tuned,) in _tiered.settled
 
 
 def test_a_timed_out_wait_leaves_the_build_pending(fresh_state, monkeypatch):
     tuned, quick = object(), _tiered.QuickFirst(object(), _tiered.Rebuild("m", "f"))
-    _tiered.pick(tuned, quick, None, "sm_90", capturing=False)
+    pick(tuned, quick, False)
 
     def timeout(timeout=None):
         raise subprocess.TimeoutExpired("child", timeout)
@@ -144,7 +165,7 @@ def test_a_timed_out_wait_leaves_the_build_pending(fresh_state, monkeypatch):
     monkeypatch.setattr(fresh_state[0], "wait", timeout)
     with pytest.raises(subprocess.TimeoutExpired):
         _tiered.wait_tuned(timeout=0.1)
-    assert tuned in _tiered._pending
+    assert (tuned,) in _tiered._pending
 
 
 def test_chunk_scan_hands_its_launch_a_quick_build_at_occupancy_1(monkeypatch):
