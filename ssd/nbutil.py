@@ -126,7 +126,8 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
 #: ready: every kernel's TileIR is the same before and after (tests/test_nbutil_kernels.py compiles
 #: the forward's kernels at both revisions and compares them), so a steady-state time recorded
 #: before one is a time of the kernels after it (:func:`same_kernels`). {commit: what it changed}
-SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch code only"}
+SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch code only",
+                "fa1cf03": "the quick first call keyed per launch, not per kernel"}
 
 
 def same_kernels(*revisions, root: Path = ROOT) -> bool | None:
