@@ -56,21 +56,22 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
     return json.loads(path.read_text())
 
 
-def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None) -> dict:
+def load_recorded_at(name: str, rev: str, gpu: str | None = None, paths=None, same=None) -> dict:
     """The recording ``name`` of the code at git revision ``rev``: the current file when it was
     made at ``rev`` or at a revision whose measured code is the same (:func:`same_code` over
-    ``paths``, default :data:`MEASURED_CODE`), else a run kept under ``previous/`` (as
-    ``<name>-<its revision>.json``, when a later run replaced it) that is of such a revision,
-    so that a chapter can set files of the same code side by side."""
-    paths = paths or MEASURED_CODE
+    ``paths``, default :data:`MEASURED_CODE`; or ``same(its revision, rev)``, :func:`same_kernels`
+    say), else a run kept under ``previous/`` (as ``<name>-<its revision>.json``, when a later run
+    replaced it) that is of such a revision, so that a chapter can set files of the same code side
+    by side."""
+    same = same or functools.partial(same_code, paths=paths or MEASURED_CODE)
     current = load_recorded(name, gpu)
-    if same_code(current["environment"]["git_revision"], rev, paths=paths):
+    if same(current["environment"]["git_revision"], rev):
         return current
     pattern = result_path(f"previous/{name}-???????", gpu)  # <name>-<7 hex digits>.json
     for path in sorted(pattern.parent.glob(pattern.name),
                        key=lambda p: not p.stem.endswith(rev[:7])):  # rev's own run first
         run = json.loads(path.read_text())
-        if same_code(run["environment"]["git_revision"], rev, paths=paths):
+        if same(run["environment"]["git_revision"], rev):
             return run
     raise FileNotFoundError(f"{name}: the recording is of {current['environment']['git_revision']} "
                             f"and no run kept under previous/ is of code the same as at {rev}")
@@ -137,10 +138,13 @@ def same_kernels(*revisions, root: Path = ROOT) -> bool | None:
     (A first call can differ: chunk_scan's quick build, ``ssd._tiered``, is such a commit.) None
     where git cannot tell."""
     same = same_code(*revisions, paths=KERNEL_CODE, root=root)
-    if same is not False:
-        return same
+    if same is True:
+        return True
     revs = list(dict.fromkeys(revisions))
-    if not all(known_revision(r, root) for r in revs):
+    if not all(known_revision(r, root) for r in revs):  # no git here: the digests' answer
+        return None if any(r is None or r.endswith("-dirty") for r in revs) else \
+            _same_by_digest(revs, KERNELS_KEY)
+    if same is None:
         return None
     git = functools.partial(_git, root)
     for rev in revs[1:]:
@@ -151,12 +155,27 @@ def same_kernels(*revisions, root: Path = ROOT) -> bool | None:
     return True
 
 
+def kernels_digest(rev: str, root: Path = ROOT) -> str:
+    """The :func:`code_digest` of :data:`KERNEL_CODE` at the newest commit up to ``rev`` that
+    changed a kernel (one that changed KERNEL_CODE, neither listed in :data:`SAME_KERNELS` nor
+    of comments and docstrings only): two revisions of one line of history have one such digest
+    exactly where :func:`same_kernels` finds them the same, so that a machine without git can
+    answer it from :data:`CODE_DIGESTS`."""
+    git = functools.partial(_git, root)
+    for commit in git("log", "--format=%H", rev, "--", *KERNEL_CODE).split():
+        if not any(commit.startswith(c) for c in SAME_KERNELS) and \
+                same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True:
+            return code_digest(commit, KERNEL_CODE, root)
+    return code_digest(rev, KERNEL_CODE, root)
+
+
 #: ``results/code_digests.json``: for each git revision the recordings name, a digest of the
 #: code :func:`same_code` compares (:func:`code_digest`), so that it can answer where git
 #: cannot: a GPU machine handed the working tree without its history, a copy without ``.git``.
 #: ``python -m ssd.nbutil`` refreshes it after new recordings (a CPU test checks it covers them).
 CODE_DIGESTS = RESULTS / "code_digests.json"
 DIGEST_KEYS = {MEASURED_CODE: "measured", KERNEL_CODE: "kernel"}
+KERNELS_KEY = "kernels"  # the table of :func:`kernels_digest`
 _EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's empty tree
 
 
@@ -174,9 +193,10 @@ def code_digest(rev: str, paths=MEASURED_CODE, root: Path = ROOT) -> str:
 
 
 def _same_by_digest(revs, paths) -> bool | None:
-    """:func:`same_code` from :data:`CODE_DIGESTS`: None unless every revision (a recorded one,
-    or a unique prefix of one) has a digest for ``paths``."""
-    key = DIGEST_KEYS.get(tuple(paths))
+    """:func:`same_code` from :data:`CODE_DIGESTS` (``paths``; or :data:`KERNELS_KEY`, for
+    :func:`same_kernels`): None unless every revision (a recorded one, or a unique prefix of one)
+    has a digest there."""
+    key = paths if paths == KERNELS_KEY else DIGEST_KEYS.get(tuple(paths))
     if key is None or not CODE_DIGESTS.is_file():
         return None
     table = json.loads(CODE_DIGESTS.read_text()).get("digests", {}).get(key, {})
@@ -235,6 +255,7 @@ def write_code_digests(root: Path = ROOT, extra=()) -> dict:
              "paths": {key: list(paths) for paths, key in DIGEST_KEYS.items()},
              "digests": {key: {rev: code_digest(rev, paths, root) for rev in revs}
                          for paths, key in DIGEST_KEYS.items()}}
+    table["digests"][KERNELS_KEY] = {rev: kernels_digest(rev, root) for rev in revs}
     write_json(CODE_DIGESTS, table)
     return table
 
@@ -284,6 +305,13 @@ def _code_of(source: str) -> str:
 def same_code_word(result: bool | None) -> str:
     """How a chapter prints a :func:`same_code` result."""
     return {True: "yes (git: at most comments and docstrings differ)", False: "NO",
+            None: "not checkable here (no git history)"}[result]
+
+
+def same_kernels_word(result: bool | None) -> str:
+    """How a chapter prints a :func:`same_kernels` result."""
+    return {True: "yes (git: the same kernel code, or only commits between that change no kernel: "
+                  "ssd.nbutil.SAME_KERNELS)", False: "NO",
             None: "not checkable here (no git history)"}[result]
 
 

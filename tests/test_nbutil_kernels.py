@@ -57,3 +57,24 @@ def test_same_kernels_passes_a_listed_commit_only():
     assert same_code("9faf4d9", "e81deae", paths=KERNEL_CODE) is False
     assert same_kernels("9faf4d9", "e81deae") is True
     assert same_kernels("292cece^", "e81deae") is False   # and not across an earlier change
+
+
+def test_kernels_digest_answers_same_kernels_without_git(tmp_path, monkeypatch):
+    """On a machine without git (the GPU's) same_kernels reads results/code_digests.json: one
+    digest per line of kernels, equal exactly where git finds the kernels the same."""
+    import json
+
+    from ssd import nbutil
+
+    revs = ["292cece^", "292cece", "e0ccb07", "9faf4d9", "e81deae", "fa1cf03"]
+    digest = {r: nbutil.kernels_digest(r) for r in revs}
+    for a in revs:
+        for b in revs:
+            assert (digest[a] == digest[b]) is same_kernels(a, b), (a, b)
+    table = tmp_path / "code_digests.json"
+    table.write_text(json.dumps({"digests": {"kernel": {}, "kernels": digest}}))
+    monkeypatch.setattr(nbutil, "CODE_DIGESTS", table)
+    nowhere = tmp_path / "no-git-here"
+    assert same_kernels("e0ccb07", "fa1cf03", root=nowhere) is True
+    assert same_kernels("292cece^", "fa1cf03", root=nowhere) is False
+    assert same_kernels("e0ccb07", "a1ae9ed", root=nowhere) is None   # not in the table
