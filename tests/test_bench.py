@@ -574,3 +574,13 @@ def test_first_call_shapes_reach_both_last_chunks():
     grouped = [s for s in bench.FIRST_CALL_SHAPES
                if bench.shape_default(s.dims, 132).state.groups > 1]   # the grouped walk's kernels
     assert sorted(bool(s.l % bench.OUR_CHUNK) for s in grouped) == [False, True]
+
+
+def test_worst_gate_result_is_a_failure_before_any_pass():
+    """bench.worst: the first call's and the tuned build's gates (ssd._tiered) judged together."""
+    from ssd.bench import worst
+
+    assert worst(1e-3, 2e-3) == 2e-3
+    assert worst(1e-3, -0.5) == -0.5 and worst(-0.5, 1e-3) == -0.5
+    assert worst(-0.02, -0.5) == -0.5
+    assert worst(math.inf, -0.5, 1e-3) == math.inf
