@@ -205,6 +205,10 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         check_values: also check A <= 0, finite inputs and seq_idx order (synchronises).
     Returns:
         y (b, l, h, p) in x's dtype, or (y, final_states) with return_final_states.
+
+    The first call for a new shape or configuration compiles its kernels (seconds). chunk_scan's
+    tuned build then compiles in a child process while a quick build computes the same values
+    (:mod:`ssd._tiered`); call :func:`ssd.wait_tuned` before timing this function.
     """
     validate(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
              seq_idx=seq_idx, dt_limit=dt_limit, check_values=check_values)
