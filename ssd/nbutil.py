@@ -148,11 +148,17 @@ def same_kernels(*revisions, root: Path = ROOT) -> bool | None:
         return None
     git = functools.partial(_git, root)
     for rev in revs[1:]:
-        for commit in git("log", "--format=%H", f"{revs[0]}...{rev}", "--", *KERNEL_CODE).split():
-            if not any(commit.startswith(c) for c in SAME_KERNELS) and \
-                    same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True:
-                return False
+        if any(_changes_kernels(commit, root) for commit in
+               git("log", "--format=%H", f"{revs[0]}...{rev}", "--", *KERNEL_CODE).split()):
+            return False
     return True
+
+
+def _changes_kernels(commit: str, root: Path) -> bool:
+    """Whether ``commit`` (one that touched KERNEL_CODE) changed a kernel: it is not one of
+    :data:`SAME_KERNELS` and did more than comments and docstrings."""
+    return (not any(commit.startswith(c) for c in SAME_KERNELS)
+            and same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True)
 
 
 def kernels_digest(rev: str, root: Path = ROOT) -> str:
@@ -163,8 +169,7 @@ def kernels_digest(rev: str, root: Path = ROOT) -> str:
     answer it from :data:`CODE_DIGESTS`."""
     git = functools.partial(_git, root)
     for commit in git("log", "--format=%H", rev, "--", *KERNEL_CODE).split():
-        if not any(commit.startswith(c) for c in SAME_KERNELS) and \
-                same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True:
+        if _changes_kernels(commit, root):
             return code_digest(commit, KERNEL_CODE, root)
     return code_digest(rev, KERNEL_CODE, root)
 
