@@ -261,6 +261,12 @@ CHUNK64 = 64
 # its tile there compiles to 168 registers and a spill (the Performance chapters).
 SMALL_STATE = 64
 SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
+# Small states at chunk 128 and 256 on sm_90 (stop 31's screen on small-state, a1ae9ed's kernels,
+# results/h200/screening/stop31/small-state.json; compiles timed for sm_90 on a CPU in stop 38):
+# at 128 the hint of 2 took 0.965x the time of the default's 3 and compiles in 1.1 s instead of
+# 4.8 s (128 registers, no spill); at 256 the whole-chunk tile spills at any hint (168 registers, a
+# 440-byte stack, 7.0 s to compile) and 64-row tiles took 0.58x its time (80 registers, 1.45 s).
+SMALL_STATE_AT = {128: dict(occupancy=2), 256: dict(whole_chunk=False, shared=False)}
 
 # Few sequences at chunk size 64: where the fused walk would take NARROW_STATE (fewer than
 # MIN_STAGE2_BLOCKS_PER_SM blocks a SM), walk whole states (ONE_WAVE_STATE) in GROUPED_WALK groups
@@ -297,7 +303,8 @@ def default_config(capability: tuple[int, int] | None = None,
     on sm_90 at ``chunk_size`` ``ONE_WAVE_CHUNK``, one whose stage-2 grid would need more
     than one wave of resident blocks and fits in one with ``ONE_WAVE_STATE`` gets those; and given
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
-    one head, each tile loaded once; on sm_90 at ``chunk_size`` ``CHUNK64``, the other problems'
+    one head, each tile loaded once (on sm_90 at chunk 128 with the hint of 2, at 256 64-row tiles
+    instead: ``SMALL_STATE_AT``); on sm_90 at ``chunk_size`` ``CHUNK64``, the other problems'
     chunk_scan gets the whole-chunk tiles (loaded once) and occupancy hint of ``CHUNK64_SCAN``:
     the Performance chapters measure them on the model shapes."""
     if capability is None:
@@ -326,7 +333,8 @@ def default_config(capability: tuple[int, int] | None = None,
             if n <= one_wave.block_n and b * h * one_wave.slices(p, n)[2] <= one_wave.occupancy * sms:
                 config = replace(config, state=one_wave)
         if n <= SMALL_STATE:
-            config = replace(config, scan=replace(config.scan, **SMALL_STATE_SCAN))
+            at = SMALL_STATE_AT.get(chunk_size, {}) if capability[0] in MEASURED_ARCHS else {}
+            config = replace(config, scan=replace(config.scan, **{**SMALL_STATE_SCAN, **at}))
     if (chunk_size == CHUNK64 and capability[0] in MEASURED_ARCHS and config.scan.occupancy
             and not config.scan.whole_chunk):
         config = replace(config, scan=replace(config.scan, **CHUNK64_SCAN))

@@ -78,6 +78,29 @@ def test_whole_chunk_tile_does_not_spill_where_it_ships():
     assert whole["stack_bytes"] == 0 and whole["registers"] == per_row["registers"]
 
 
+def test_small_state_tiles_at_128_and_256_are_what_compiles_well():
+    """The premise of SMALL_STATE_AT (ssd/config.py), on sm_90 at n 64 with full chunks: at 128 the
+    whole-chunk tile at the hint of 2 spills nothing; at 256 the whole-chunk tile spills whatever
+    the hint (the quick first call's hint of 1 too), and the 64-row tiles that ship there hold the
+    default's 80 registers."""
+    from ssd.config import default_config
+
+    b, _, h, p, n, _ = dims = (2, 512, 16, 64, 64, 1)
+
+    def resources(q, **scan):
+        config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=q)
+        config = replace(config, scan=replace(config.scan, **scan))
+        records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config,
+                                      dims=dims)
+        (r,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
+        return aot.resource_usage(aot.export_cubin(r, "sm_90"))
+
+    assert resources(128)["stack_bytes"] == 0
+    for hint in (1, 3):
+        assert resources(256, whole_chunk=True, shared=True, occupancy=hint)["stack_bytes"] > 0
+    assert resources(256)["registers"] == 80
+
+
 def test_chunk64_tile_does_not_spill_where_it_ships():
     """The premise of CHUNK64_SCAN (ssd/config.py): on sm_90, at chunk 64 on a 2.7b-pattern
     problem with full chunks, the whole-chunk tiles of one head (each tile loaded once) compile

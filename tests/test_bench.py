@@ -10,7 +10,7 @@ import pytest
 
 from ssd import bench, nbutil
 from ssd.config import (CHUNK64_SCAN, GROUPED_WALK, NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE,
-                        SMALL_STATE_SCAN, default_config)
+                        SMALL_STATE_AT, SMALL_STATE_SCAN, default_config)
 from ssd.env import gpu_slug
 
 
@@ -83,7 +83,9 @@ def _at64(cfg):
     ((4, 4096, 80, 64, 128, 1), _ONE_WAVE, _BASE),        # 2.7b: whole states in one wave at 64
     ((1, 16384, 80, 64, 128, 1), _GROUPED, _NARROW),      # long-16k: few stage-2 blocks
     ((2, 8192, 128, 64, 128, 8), _BASE, _BASE),           # codestral-7b
-    ((16, 1024, 32, 64, 64, 1), _SMALL, _SMALL),          # small-state: whole-chunk scan tiles
+    # small-state: whole-chunk scan tiles, at 128 with the hint of 2, 64-row tiles at 256
+    ((16, 1024, 32, 64, 64, 1), _SMALL, {q: replace(_SMALL, scan=replace(_SMALL.scan, **at))
+                                         for q, at in SMALL_STATE_AT.items()}),
 ])
 def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, at64, elsewhere):
     """On 132 SMs: the first point is what the API ships for the shape at OUR_CHUNK, the chunk-size
@@ -95,7 +97,8 @@ def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, at64,
     factor, q0, d = space[0]
     assert (factor, q0, d) == ("default", bench.OUR_CHUNK, _at64(at64))
     assert dims is None or d == bench.shape_default(dims, 132)   # what the API picks there
-    assert {q: c for f, q, c in space if f == "chunk size"} == {128: elsewhere, 256: elsewhere}
+    assert {q: c for f, q, c in space if f == "chunk size"} == (
+        elsewhere if isinstance(elsewhere, dict) else {128: elsewhere, 256: elsewhere})
     narrow = [cfg.state for f, _, cfg in space if f == "state narrow"]
     assert narrow == ([] if at64 is _NARROW else [_NARROW.state])
     for factor, q, cfg in space[1:]:

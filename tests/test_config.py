@@ -279,3 +279,23 @@ def test_whole_chunk_tiles_cover_every_row_block_once(whole_chunk, shared, seqle
                        torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128, config=config)
     scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")
     assert scan.grid == (tiles, 1, 1) and scan.args[-3:-1] == constants  # then GROUPED
+
+
+def test_small_states_take_their_own_tiles_at_chunk_128_and_256():
+    """SMALL_STATE_AT on sm_90: the whole-chunk tiles of one head at the hint of 2 at chunk 128,
+    64-row tiles at 256 (where the whole-chunk tile spills); elsewhere and off sm_90 the
+    whole-chunk tiles at the default's hint."""
+    from ssd.config import SMALL_STATE_AT, SMALL_STATE_SCAN
+
+    small = dict(problem=(16, 32, 64, 64), sms=132)
+    base = default_config((9, 0)).scan
+    assert default_config((9, 0), chunk_size=128, **small).scan == replace(
+        base, **SMALL_STATE_SCAN, occupancy=2)
+    at256 = default_config((9, 0), chunk_size=256, **small).scan
+    assert at256 == replace(base, **{**SMALL_STATE_SCAN, **SMALL_STATE_AT[256]})
+    assert not at256.whole_chunk and not at256.shared and at256.block_h == 1
+    for cap, q in (((9, 0), 32), ((9, 0), None), ((10, 0), 128), ((10, 0), 256)):
+        scan = default_config(cap, chunk_size=q, **small).scan
+        assert scan == replace(default_config(cap).scan, **SMALL_STATE_SCAN), (cap, q)
+    big = default_config((9, 0), chunk_size=256, problem=(8, 24, 64, 128), sms=132).scan
+    assert big == base   # state 128: not a small state
