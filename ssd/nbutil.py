@@ -130,35 +130,75 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
 SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch code only",
                 "fa1cf03": "the quick first call keyed per launch, not per kernel"}
 
+#: Commits that changed the kernels of some problem shapes only, a default rule of
+#: :mod:`ssd.config` say: {commit: (what it changed, the shapes whose kernels it changed, a
+#: predicate on a shape's dims (b, l, h, p, n, g))}. A steady-state recording of other shapes
+#: outlives one (:func:`same_kernels` given the recording's ``dims``). tests/test_nbutil_kernels.py
+#: builds the forward's kernels per shape before and after each, and checks that every shape the
+#: predicate passes has the kernels it had and some shape it names has not.
+SHAPE_KERNELS: dict = {}
 
-def same_kernels(*revisions, root: Path = ROOT) -> bool | None:
+
+def same_kernels(*revisions, root: Path = ROOT, dims=None) -> bool | None:
     """Whether recordings at these git revisions time the same kernels in steady state:
     :func:`same_code` over :data:`KERNEL_CODE`, or else every commit between two of them that
-    changed it either changed only comments and docstrings or is one of :data:`SAME_KERNELS`.
+    changed it either changed only comments and docstrings or is one of :data:`SAME_KERNELS`,
+    or, given the recordings' ``dims`` (an iterable of (b, l, h, p, n, g)), one of
+    :data:`SHAPE_KERNELS` that changed none of those shapes.
     (A first call can differ: chunk_scan's quick build, ``ssd._tiered``, is such a commit.) None
     where git cannot tell."""
     same = same_code(*revisions, paths=KERNEL_CODE, root=root)
     if same is True:
         return True
     revs = list(dict.fromkeys(revisions))
+    dims = None if dims is None else [tuple(d) for d in dims]
     if not all(known_revision(r, root) for r in revs):  # no git here: the digests' answer
-        return None if any(r is None or r.endswith("-dirty") for r in revs) else \
-            _same_by_digest(revs, KERNELS_KEY)
+        if any(r is None or r.endswith("-dirty") for r in revs):
+            return None
+        same = _same_by_digest(revs, KERNELS_KEY)
+        shaped = _shape_commits_by_digest(revs)
+        if same is not True or shaped is None:
+            return None if shaped is None else same
+        return not any(_changes_shapes(c, dims) for c in set.union(*shaped) - set.intersection(*shaped))
     if same is None:
         return None
     git = functools.partial(_git, root)
     for rev in revs[1:]:
-        if any(_changes_kernels(commit, root) for commit in
+        if any(_changes_kernels(commit, root, dims) for commit in
                git("log", "--format=%H", f"{revs[0]}...{rev}", "--", *KERNEL_CODE).split()):
             return False
     return True
 
 
-def _changes_kernels(commit: str, root: Path) -> bool:
-    """Whether ``commit`` (one that touched KERNEL_CODE) changed a kernel: it is not one of
-    :data:`SAME_KERNELS` and did more than comments and docstrings."""
+def _changes_kernels(commit: str, root: Path, dims=None) -> bool:
+    """Whether ``commit`` (one that touched KERNEL_CODE) changed a kernel of the shapes ``dims``
+    (None: of any shape): it is not one of :data:`SAME_KERNELS`, nor one of
+    :data:`SHAPE_KERNELS` that left those shapes alone, and did more than comments and
+    docstrings."""
+    shaped = next((c for c in SHAPE_KERNELS if commit.startswith(c)), None)
     return (not any(commit.startswith(c) for c in SAME_KERNELS)
+            and (shaped is None or _changes_shapes(shaped, dims))
             and same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True)
+
+
+def _changes_shapes(commit: str, dims) -> bool:
+    """Whether the :data:`SHAPE_KERNELS` commit ``commit`` changed a kernel of a shape in ``dims``
+    (every shape where ``dims`` is None)."""
+    changed = SHAPE_KERNELS[commit][2]
+    return dims is None or any(changed(d) for d in dims)
+
+
+def shape_commits(rev: str, root: Path = ROOT) -> list[str]:
+    """The :data:`SHAPE_KERNELS` commits in the history of ``rev`` (for :data:`CODE_DIGESTS`:
+    without git, two revisions differ by those in one history and not the other)."""
+    def ancestor(commit):
+        try:
+            _git(root, "merge-base", "--is-ancestor", commit, rev)
+        except LookupError:  # not an ancestor (git's status 1), or unknown here
+            return False
+        return True
+
+    return [c for c in SHAPE_KERNELS if ancestor(c)]
 
 
 def kernels_digest(rev: str, root: Path = ROOT) -> str:
@@ -169,7 +209,8 @@ def kernels_digest(rev: str, root: Path = ROOT) -> str:
     answer it from :data:`CODE_DIGESTS`."""
     git = functools.partial(_git, root)
     for commit in git("log", "--format=%H", rev, "--", *KERNEL_CODE).split():
-        if _changes_kernels(commit, root):
+        if (not any(commit.startswith(c) for c in SHAPE_KERNELS)  # see shape_commits
+                and _changes_kernels(commit, root)):
             return code_digest(commit, KERNEL_CODE, root)
     return code_digest(rev, KERNEL_CODE, root)
 
@@ -181,6 +222,7 @@ def kernels_digest(rev: str, root: Path = ROOT) -> str:
 CODE_DIGESTS = RESULTS / "code_digests.json"
 DIGEST_KEYS = {MEASURED_CODE: "measured", KERNEL_CODE: "kernel"}
 KERNELS_KEY = "kernels"  # the table of :func:`kernels_digest`
+SHAPE_COMMITS_KEY = "shape_commits"  # the table of :func:`shape_commits`
 _EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's empty tree
 
 
@@ -212,6 +254,23 @@ def _same_by_digest(revs, paths) -> bool | None:
             return None
         digests.append(found[0])
     return len(set(digests)) == 1
+
+
+def _shape_commits_by_digest(revs) -> list[set] | None:
+    """Each revision's :func:`shape_commits` from :data:`CODE_DIGESTS` (a recorded revision, or
+    a unique prefix of one); None unless every revision is there."""
+    if not CODE_DIGESTS.is_file():
+        return None
+    table = json.loads(CODE_DIGESTS.read_text()).get(SHAPE_COMMITS_KEY)
+    if table is None:  # a table from before SHAPE_KERNELS: none of its revisions has one
+        return [set() for _ in revs]
+    found = []
+    for rev in revs:
+        hits = [set(v) for r, v in table.items() if r.startswith(rev)]
+        if len(hits) != 1:
+            return None
+        found.append(hits[0])
+    return found
 
 
 def recorded_revisions(results: Path = RESULTS) -> list[str]:
@@ -261,6 +320,7 @@ def write_code_digests(root: Path = ROOT, extra=()) -> dict:
              "digests": {key: {rev: code_digest(rev, paths, root) for rev in revs}
                          for paths, key in DIGEST_KEYS.items()}}
     table["digests"][KERNELS_KEY] = {rev: kernels_digest(rev, root) for rev in revs}
+    table[SHAPE_COMMITS_KEY] = {rev: shape_commits(rev, root) for rev in revs}
     write_json(CODE_DIGESTS, table)
     return table
 

@@ -1,7 +1,8 @@
 """ssd.nbutil.same_kernels: the commits it lets a steady-state recording outlive must leave every
-kernel as it was. For each commit of SAME_KERNELS the forward's kernels are built at the revision
-before it and at it, from the same folder (the TileIR records source locations), and their TileIR
-bytecode compared (tests/kernel_bytecode.py; cuTile's front end only, no tileiras)."""
+kernel as it was (SAME_KERNELS), or every kernel of the shapes it lets pass (SHAPE_KERNELS). For
+each such commit the forward's kernels are built at the revision before it and at it, from the same
+folder (the TileIR records source locations), and their TileIR bytecode compared per shape
+(tests/kernel_bytecode.py; cuTile's front end only, no tileiras)."""
 import io
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 pytest.importorskip("cuda.tile")
 
 from ssd.env import ROOT  # noqa: E402
-from ssd.nbutil import SAME_KERNELS, known_revision, same_kernels  # noqa: E402
+from ssd.nbutil import SAME_KERNELS, SHAPE_KERNELS, known_revision, same_kernels  # noqa: E402
 
 SCRIPT = Path(__file__).with_name("kernel_bytecode.py")
 
@@ -28,8 +29,8 @@ def needs_history(*revs):
 
 
 def kernel_bytecode(rev: str, tree: Path) -> dict:
-    """{kernel: bytecode digest} of the ``ssd`` package at git revision ``rev``, unpacked in
-    ``tree`` (emptied first)."""
+    """{shape's dims as JSON: {kernel: bytecode digest}} of the ``ssd`` package at git revision
+    ``rev``, unpacked in ``tree`` (emptied first)."""
     if tree.exists():
         subprocess.run(["rm", "-rf", str(tree)], check=True)
     tree.mkdir()
@@ -45,10 +46,27 @@ def kernel_bytecode(rev: str, tree: Path) -> dict:
 @pytest.mark.parametrize("commit", sorted(SAME_KERNELS))
 def test_a_same_kernels_commit_changes_no_kernel(commit, tmp_path):
     needs_history(f"{commit}^", commit)
-    before = kernel_bytecode(f"{commit}^", tmp_path / "tree")
-    after = kernel_bytecode(commit, tmp_path / "tree")
+    before = flat(kernel_bytecode(f"{commit}^", tmp_path / "tree"))
+    after = flat(kernel_bytecode(commit, tmp_path / "tree"))
     assert len(before) > 100 and before.keys() == after.keys()
     assert [k for k in before if before[k] != after[k]] == []
+
+
+def flat(by_shape: dict) -> dict:
+    """{kernel: digest} over every shape of :func:`kernel_bytecode` (a kernel's digest is one)."""
+    return {k: v for kernels in by_shape.values() for k, v in kernels.items()}
+
+
+@pytest.mark.parametrize("commit", sorted(SHAPE_KERNELS))
+def test_a_shape_kernels_commit_changes_only_its_shapes(commit, tmp_path):
+    needs_history(f"{commit}^", commit)
+    _, names, changes = SHAPE_KERNELS[commit]
+    before = kernel_bytecode(f"{commit}^", tmp_path / "tree")
+    after = kernel_bytecode(commit, tmp_path / "tree")
+    assert before.keys() == after.keys()
+    moved = {tuple(json.loads(dims)) for dims in before if before[dims] != after[dims]}
+    assert [d for d in moved if not changes(d)] == []   # the shapes it lets pass are as they were
+    assert {tuple(d) for d in names} <= moved           # and those it names did change
 
 
 def test_same_kernels_is_false_across_a_kernel_change():
@@ -89,3 +107,42 @@ def test_kernels_digest_answers_same_kernels_without_git(tmp_path, monkeypatch):
     assert same_kernels("e0ccb07", "fa1cf03", root=nowhere) is True
     assert same_kernels("292cece^", "fa1cf03", root=nowhere) is False
     assert same_kernels("e0ccb07", "a1ae9ed", root=nowhere) is None   # not in the table
+
+
+def test_same_kernels_passes_a_shape_commit_for_other_shapes_only(tmp_path, monkeypatch):
+    """A SHAPE_KERNELS commit stales the recordings of the shapes it changed, with git and from
+    the digests' table without it; without dims every shape counts as changed."""
+    import subprocess
+
+    from ssd import nbutil
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+
+    def commit(text):
+        (tmp_path / "ssd" / "config.py").write_text(text)
+        git("add", "-A")
+        git("commit", "-qm", text)
+        return git("rev-parse", "--short=12", "HEAD")
+
+    git("init", "-q")
+    (tmp_path / "ssd").mkdir()
+    a = commit("SMALL = None\n")
+    b = commit("SMALL = 'a rule for states of at most 64'\n")
+    c = commit("SMALL = 'the same rule'\nBIG = 'a change to every shape'\n")
+    small, big = (16, 1024, 32, 64, 64, 1), (4, 4096, 80, 64, 128, 1)
+    monkeypatch.setattr(nbutil, "SHAPE_KERNELS", {b: ("small states", [small], lambda d: d[4] <= 64)})
+    same = lambda *revs, **kw: same_kernels(*revs, root=tmp_path, **kw)  # noqa: E731
+    assert same(a, b, dims=[big]) is True and same(a, b, dims=[big, small]) is False
+    assert same(a, b) is False and same(b, c, dims=[big]) is False and same(a, c, dims=[big]) is False
+    assert nbutil.shape_commits(a, tmp_path) == [] and nbutil.shape_commits(c, tmp_path) == [b]
+    table = tmp_path / "code_digests.json"
+    table.write_text(json.dumps({
+        "digests": {"kernel": {}, "kernels": {r: nbutil.kernels_digest(r, tmp_path) for r in (a, b, c)}},
+        nbutil.SHAPE_COMMITS_KEY: {r: nbutil.shape_commits(r, tmp_path) for r in (a, b, c)}}))
+    monkeypatch.setattr(nbutil, "CODE_DIGESTS", table)
+    nowhere = tmp_path / "no-git-here"
+    for revs, dims in (((a, b), [big]), ((a, b), [big, small]), ((a, b), None), ((b, c), [big]),
+                       ((a, c), [big])):
+        assert same_kernels(*revs, root=nowhere, dims=dims) is same(*revs, dims=dims), (revs, dims)
