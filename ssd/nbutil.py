@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .config import SMALL_STATE
 from .env import ROOT, environment, gpu_slug, write_json
 
 RESULTS = ROOT / "results"
@@ -136,7 +137,9 @@ SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch 
 #: outlives one (:func:`same_kernels` given the recording's ``dims``). tests/test_nbutil_kernels.py
 #: builds the forward's kernels per shape before and after each, and checks that every shape the
 #: predicate passes has the kernels it had and some shape it names has not.
-SHAPE_KERNELS: dict = {}
+SHAPE_KERNELS: dict = {
+    "23e5cbd": ("small states at chunk 128 and 256 (config.SMALL_STATE_AT)",
+                [(16, 1024, 32, 64, 64, 1)], lambda dims: dims[4] <= SMALL_STATE)}
 
 
 def same_kernels(*revisions, root: Path = ROOT, dims=None) -> bool | None:
