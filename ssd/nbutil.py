@@ -378,8 +378,8 @@ def same_code_word(result: bool | None) -> str:
 
 def same_kernels_word(result: bool | None) -> str:
     """How a chapter prints a :func:`same_kernels` result."""
-    return {True: "yes (git: the same kernel code, or only commits between that change no kernel: "
-                  "ssd.nbutil.SAME_KERNELS)", False: "NO",
+    return {True: "yes (git: the same kernel code, or only commits between that change no kernel "
+                  "of these shapes: ssd.nbutil.SAME_KERNELS, SHAPE_KERNELS)", False: "NO",
             None: "not checkable here (no git history)"}[result]
 
 
