@@ -136,7 +136,7 @@ SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch 
 #: predicate on a shape's dims (b, l, h, p, n, g))}. A steady-state recording of other shapes
 #: outlives one (:func:`same_kernels` given the recording's ``dims``). tests/test_nbutil_kernels.py
 #: builds the forward's kernels per shape before and after each, and checks that every shape the
-#: predicate passes has the kernels it had and some shape it names has not.
+#: predicate leaves out keeps its kernels and that the shapes it names do change.
 SHAPE_KERNELS: dict = {
     "23e5cbd": ("small states at chunk 128 and 256 (config.SMALL_STATE_AT)",
                 [(16, 1024, 32, 64, 64, 1)], lambda dims: dims[4] <= SMALL_STATE)}
@@ -161,8 +161,9 @@ def same_kernels(*revisions, root: Path = ROOT, dims=None) -> bool | None:
         same = _same_by_digest(revs, KERNELS_KEY)
         shaped = _shape_commits_by_digest(revs)
         if same is not True or shaped is None:
-            return None if shaped is None else same
-        return not any(_changes_shapes(c, dims) for c in set.union(*shaped) - set.intersection(*shaped))
+            return same if same is not True else None
+        between = set.union(*shaped) - set.intersection(*shaped)
+        return not any(_changes_shapes(c, dims) for c in between)
     if same is None:
         return None
     git = functools.partial(_git, root)
@@ -207,9 +208,10 @@ def shape_commits(rev: str, root: Path = ROOT) -> list[str]:
 def kernels_digest(rev: str, root: Path = ROOT) -> str:
     """The :func:`code_digest` of :data:`KERNEL_CODE` at the newest commit up to ``rev`` that
     changed a kernel (one that changed KERNEL_CODE, neither listed in :data:`SAME_KERNELS` nor
-    of comments and docstrings only): two revisions of one line of history have one such digest
-    exactly where :func:`same_kernels` finds them the same, so that a machine without git can
-    answer it from :data:`CODE_DIGESTS`."""
+    of comments and docstrings only; a :data:`SHAPE_KERNELS` commit counts as none here, and
+    :func:`shape_commits` tells revisions on either side of one apart): two revisions of one line
+    of history have one such digest exactly where :func:`same_kernels` finds them the same (for
+    every shape), so that a machine without git can answer it from :data:`CODE_DIGESTS`."""
     git = functools.partial(_git, root)
     for commit in git("log", "--format=%H", rev, "--", *KERNEL_CODE).split():
         if (not any(commit.startswith(c) for c in SHAPE_KERNELS)  # see shape_commits
