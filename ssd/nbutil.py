@@ -128,7 +128,8 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
 #: the forward's kernels at both revisions and compares them), so a steady-state time recorded
 #: before one is a time of the kernels after it (:func:`same_kernels`). {commit: what it changed}
 SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch code only",
-                "fa1cf03": "the quick first call keyed per launch, not per kernel"}
+                "fa1cf03": "the quick first call keyed per launch, not per kernel",
+                "b2819b5": "the quick first call's QuickFirst made once per tuned build"}
 
 #: Commits that changed the kernels of some problem shapes only, a default rule of
 #: :mod:`ssd.config` say: {commit: (what it changed, the shapes whose kernels it changed, a
