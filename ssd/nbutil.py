@@ -177,10 +177,16 @@ def _changes_kernels(commit: str, root: Path, dims=None) -> bool:
     (None: of any shape): it is not one of :data:`SAME_KERNELS`, nor one of
     :data:`SHAPE_KERNELS` that left those shapes alone, and did more than comments and
     docstrings."""
-    shaped = next((c for c in SHAPE_KERNELS if commit.startswith(c)), None)
-    return (not any(commit.startswith(c) for c in SAME_KERNELS)
+    shaped = _listed(commit, SHAPE_KERNELS)
+    return (_listed(commit, SAME_KERNELS) is None
             and (shaped is None or _changes_shapes(shaped, dims))
             and same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True)
+
+
+def _listed(commit: str, table: dict) -> str | None:
+    """The key of ``table`` (:data:`SAME_KERNELS`, :data:`SHAPE_KERNELS`: short hashes) that
+    names the full hash ``commit``, or None."""
+    return next((c for c in table if commit.startswith(c)), None)
 
 
 def _changes_shapes(commit: str, dims) -> bool:
@@ -212,8 +218,8 @@ def kernels_digest(rev: str, root: Path = ROOT) -> str:
     every shape), so that a machine without git can answer it from :data:`CODE_DIGESTS`."""
     git = functools.partial(_git, root)
     for commit in git("log", "--format=%H", rev, "--", *KERNEL_CODE).split():
-        if (not any(commit.startswith(c) for c in SHAPE_KERNELS)  # see shape_commits
-                and _changes_kernels(commit, root)):
+        # a SHAPE_KERNELS commit is told apart by shape_commits instead
+        if _listed(commit, SHAPE_KERNELS) is None and _changes_kernels(commit, root):
             return code_digest(commit, KERNEL_CODE, root)
     return code_digest(rev, KERNEL_CODE, root)
 
