@@ -156,11 +156,10 @@ def wait_tuned(timeout: float | None = None) -> int:
     """Wait until every tuned build compiling in the background is in the kernel cache, so that
     every later launch runs tuned kernels (benchmarks call this before timing). Returns how many
     builds it waited for; raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds a build."""
-    waited = 0
-    for key in list(_pending):
+    keys = list(_pending)
+    for key in keys:
         _finish(key, timeout)
-        waited += 1
-    return waited
+    return len(keys)
 
 
 def main(argv=None) -> int:

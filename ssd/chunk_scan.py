@@ -414,6 +414,20 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
 QUICK_OCCUPANCY = 1
 
 
+@functools.lru_cache(maxsize=None)
+def quick_first(index_dtype, occupancy, latency, warps):
+    """The :class:`ssd._tiered.QuickFirst` of ``build_kernel(index_dtype, occupancy, latency,
+    warps)``: the quick build that stands in for it and how a child process builds it; made once
+    per tuned build, not at every launch."""
+    # Imported here, not at the top: a line added above the tile code would move the source
+    # locations its TileIR records, and so change every kernel's bytecode (SAME_KERNELS).
+    from ._tiered import QuickFirst, Rebuild
+
+    return QuickFirst(build_kernel(index_dtype, QUICK_OCCUPANCY, latency, warps),
+                      Rebuild("ssd.chunk_scan", "build_kernel",
+                              (index_dtype, occupancy, latency, warps)))
+
+
 def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=None,
                seq_last=None, config: ScanConfig = ScanConfig(), out=None, groups=None):
     """Launch stage 3.
@@ -440,14 +454,9 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
         raise ValueError(f"block_h={config.block_h} must divide the heads per group ({h // g}); "
                          "SSDConfig.for_problem picks one that does")
     index_dtype = index_dtype_for(x, z, out, prev_states)
-    kernel = build_kernel(index_dtype, config.occupancy, config.latency, config.warps)
-    quick = None
-    if config.occupancy != QUICK_OCCUPANCY:
-        from ._tiered import QuickFirst, Rebuild
-
-        quick = QuickFirst(build_kernel(index_dtype, QUICK_OCCUPANCY, config.latency, config.warps),
-                           Rebuild("ssd.chunk_scan", "build_kernel",
-                                   (index_dtype, config.occupancy, config.latency, config.warps)))
+    hints = (config.occupancy, config.latency, config.warps)
+    kernel = build_kernel(index_dtype, *hints)
+    quick = quick_first(index_dtype, *hints) if config.occupancy != QUICK_OCCUPANCY else None
     p_tiles = -(-p // config.block_p)
     n_pad = next_pow2(n)
     grid = (b * nchunks, q // config.block_m, (h // config.block_h) * p_tiles)

@@ -129,7 +129,8 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
 #: the forward's kernels at both revisions and compares them), so a steady-state time recorded
 #: before one is a time of the kernels after it (:func:`same_kernels`). {commit: what it changed}
 SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch code only",
-                "fa1cf03": "the quick first call keyed per launch, not per kernel"}
+                "fa1cf03": "the quick first call keyed per launch, not per kernel",
+                "b2819b5": "the quick first call's QuickFirst made once per tuned build"}
 
 #: Commits that changed the kernels of some problem shapes only, a default rule of
 #: :mod:`ssd.config` say: {commit: (what it changed, the shapes whose kernels it changed, a
@@ -179,10 +180,16 @@ def _changes_kernels(commit: str, root: Path, dims=None) -> bool:
     (None: of any shape): it is not one of :data:`SAME_KERNELS`, nor one of
     :data:`SHAPE_KERNELS` that left those shapes alone, and did more than comments and
     docstrings."""
-    shaped = next((c for c in SHAPE_KERNELS if commit.startswith(c)), None)
-    return (not any(commit.startswith(c) for c in SAME_KERNELS)
+    shaped = _listed(commit, SHAPE_KERNELS)
+    return (_listed(commit, SAME_KERNELS) is None
             and (shaped is None or _changes_shapes(shaped, dims))
             and same_code(f"{commit}^", commit, paths=KERNEL_CODE, root=root) is not True)
+
+
+def _listed(commit: str, table: dict) -> str | None:
+    """The key of ``table`` (:data:`SAME_KERNELS`, :data:`SHAPE_KERNELS`: short hashes) that
+    names the full hash ``commit``, or None."""
+    return next((c for c in table if commit.startswith(c)), None)
 
 
 def _changes_shapes(commit: str, dims) -> bool:
@@ -214,8 +221,8 @@ def kernels_digest(rev: str, root: Path = ROOT) -> str:
     every shape), so that a machine without git can answer it from :data:`CODE_DIGESTS`."""
     git = functools.partial(_git, root)
     for commit in git("log", "--format=%H", rev, "--", *KERNEL_CODE).split():
-        if (not any(commit.startswith(c) for c in SHAPE_KERNELS)  # see shape_commits
-                and _changes_kernels(commit, root)):
+        # a SHAPE_KERNELS commit is told apart by shape_commits instead
+        if _listed(commit, SHAPE_KERNELS) is None and _changes_kernels(commit, root):
             return code_digest(commit, KERNEL_CODE, root)
     return code_digest(rev, KERNEL_CODE, root)
 
