@@ -169,8 +169,11 @@ def same_kernels(*revisions, root: Path = ROOT, dims=None) -> bool | None:
         return None
     git = functools.partial(_git, root)
     for rev in revs[1:]:
+        # --no-merges: a merge brings the commits of both sides, which the log lists themselves;
+        # against its first parent it would show the other side's commits as its own change.
         if any(_changes_kernels(commit, root, dims) for commit in
-               git("log", "--format=%H", f"{revs[0]}...{rev}", "--", *KERNEL_CODE).split()):
+               git("log", "--no-merges", "--format=%H", f"{revs[0]}...{rev}", "--",
+                   *KERNEL_CODE).split()):
             return False
     return True
 
@@ -220,7 +223,7 @@ def kernels_digest(rev: str, root: Path = ROOT) -> str:
     of history have one such digest exactly where :func:`same_kernels` finds them the same (for
     every shape), so that a machine without git can answer it from :data:`CODE_DIGESTS`."""
     git = functools.partial(_git, root)
-    for commit in git("log", "--format=%H", rev, "--", *KERNEL_CODE).split():
+    for commit in git("log", "--no-merges", "--format=%H", rev, "--", *KERNEL_CODE).split():
         # a SHAPE_KERNELS commit is told apart by shape_commits instead
         if _listed(commit, SHAPE_KERNELS) is None and _changes_kernels(commit, root):
             return code_digest(commit, KERNEL_CODE, root)
