@@ -109,25 +109,30 @@ def test_kernels_digest_answers_same_kernels_without_git(tmp_path, monkeypatch):
     assert same_kernels("e0ccb07", "a1ae9ed", root=nowhere) is None   # not in the table
 
 
-def test_same_kernels_passes_a_shape_commit_for_other_shapes_only(tmp_path, monkeypatch):
-    """A SHAPE_KERNELS commit stales the recordings of the shapes it changed, with git and from
-    the digests' table without it; without dims every shape counts as changed."""
-    import subprocess
-
-    from ssd import nbutil
-
+def synthetic_repo(path: Path):
+    """(git, commit) for a new repository at ``path``: ``commit(text, name)`` writes ssd/<name>
+    and commits it, returning the short hash."""
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
+                              cwd=path, check=True, capture_output=True, text=True).stdout.strip()
 
-    def commit(text):
-        (tmp_path / "ssd" / "config.py").write_text(text)
+    def commit(text, name="config.py"):
+        (path / "ssd" / name).write_text(text)
         git("add", "-A")
         git("commit", "-qm", text)
         return git("rev-parse", "--short=12", "HEAD")
 
-    git("init", "-q")
-    (tmp_path / "ssd").mkdir()
+    git("init", "-q", "-b", "main")
+    (path / "ssd").mkdir()
+    return git, commit
+
+
+def test_same_kernels_passes_a_shape_commit_for_other_shapes_only(tmp_path, monkeypatch):
+    """A SHAPE_KERNELS commit stales the recordings of the shapes it changed, with git and from
+    the digests' table without it; without dims every shape counts as changed."""
+    from ssd import nbutil
+
+    git, commit = synthetic_repo(tmp_path)
     a = commit("SMALL = None\n")
     b = commit("SMALL = 'a rule for states of at most 64'\n")
     c = commit("SMALL = 'the same rule'\nBIG = 'a change to every shape'\n")
@@ -149,3 +154,27 @@ def test_same_kernels_passes_a_shape_commit_for_other_shapes_only(tmp_path, monk
     for revs, dims in (((a, b), [big]), ((a, b), [big, small]), ((a, b), None), ((b, c), [big]),
                        ((a, c), [big])):
         assert same_kernels(*revs, root=nowhere, dims=dims) is same(*revs, dims=dims), (revs, dims)
+
+
+def test_a_merge_is_judged_by_the_commits_it_brings(tmp_path, monkeypatch):
+    """Merging main into a branch brings main's commits, which the log lists themselves; the merge
+    itself, against its first parent, would look like a kernel change (stop 40: 9e1bb6e, main's
+    SAME_KERNELS commit merged into the small-state rule's branch, staled every recording)."""
+    from ssd import nbutil
+
+    git, commit = synthetic_repo(tmp_path)
+    a = commit("SMALL = None\n")
+    git("checkout", "-q", "-b", "branch")
+    b = commit("SMALL = 'a rule for states of at most 64'\n")
+    git("checkout", "-q", "main")
+    m = commit("LAUNCH = 'launch code only'\n", name="_launch.py")
+    git("checkout", "-q", "branch")
+    git("merge", "-q", "--no-edit", "main")
+    merged = git("rev-parse", "--short=12", "HEAD")
+    big = (4, 4096, 80, 64, 128, 1)
+    monkeypatch.setattr(nbutil, "SHAPE_KERNELS", {b: ("small states", [], lambda d: d[4] <= 64)})
+    monkeypatch.setattr(nbutil, "SAME_KERNELS", {m: "launch code only"})
+    assert same_kernels(a, merged, root=tmp_path, dims=[big]) is True
+    assert nbutil.kernels_digest(a, tmp_path) == nbutil.kernels_digest(merged, tmp_path)
+    commit("BIG = 'a change to every shape'\n", name="_launch.py")
+    assert same_kernels(a, "HEAD", root=tmp_path, dims=[big]) is False
