@@ -266,8 +266,9 @@ SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
 # at 128 the hint of 2 took 0.965x the time of the default's 3 (and 0.965x / 0.960x the shipped
 # forward in stop 39's two screens of e6f9595's kernels, results/h200/screening/stop39/
 # rows-screen.json and ahead-screen.json, its first call 1.4-2.0 s against 7.5-9.2 s there) and
-# compiles in 1.1 s instead of 4.8 s (128 registers, no spill); at 256 the whole-chunk tile spills at any hint (168 registers, a
-# 440-byte stack, 7.0 s to compile) and 64-row tiles took 0.58x its time (80 registers, 1.45 s).
+# compiles in 1.1 s instead of 4.8 s (128 registers, no spill); at 256 the whole-chunk tile spills
+# at any hint (168 registers, a 440-byte stack, 7.0 s to compile) and 64-row tiles took 0.58x its
+# time (80 registers, 1.45 s). Landed in stop 40: the models run of be405f8 (chapter 10).
 SMALL_STATE_AT = {128: dict(occupancy=2), 256: dict(whole_chunk=False, shared=False)}
 
 # Few sequences at chunk size 64: where the fused walk would take NARROW_STATE (fewer than
