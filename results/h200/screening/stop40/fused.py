@@ -5,7 +5,7 @@ are never stored and read back. Compiled for sm_90 on a CPU only (about 1 s a bu
 
 One process per shape (empty cuTile cache). Points: main's shipped forward (the same checkout's
 ssd.api at its default, chunk 64; the reference for the ratio) and the fused forward (stage 1,
-then fused_walk) at chunk 64 for several (block_p, occupancy hints). Each fused point writes y
+then fused_walk) at several (chunk size, block_p, occupancy hint). Each fused point writes y
 into a NaN-poisoned buffer and must pass bench.gate (float64 reference) and match the final
 states of the shipped forward before it is timed: graph replay, L2 flushed, median of 30, two
 alternating rounds. Usage: python fused.py OUT.json"""
@@ -24,20 +24,20 @@ def shipped():
     return api.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True,
                                          return_final_states=True)
 
-def fused(bp, occ, out=None):
+def fused(fq, bp, occ, out=None):
     def f():
-        dt_out, dA = chunk_cumsum.chunk_cumsum(dt, A, q, dt_bias=bias, dt_softplus=True)
+        dt_out, dA = chunk_cumsum.chunk_cumsum(dt, A, fq, dt_bias=bias, dt_softplus=True)
         return fused_walk(B, C, x, dt_out, dA, D=D, block_p=bp, occupancy=occ, out=out)
     return f
 
 fns = {"main": shipped}
 y_ref, fin_ref = shipped()
 torch.cuda.synchronize()
-for bp, occ in points:
-    k = f"fused p{bp} o{occ}"
+for fq, bp, occ in points:
+    k = f"fused q{fq} p{bp} o{occ}"
     poisoned = torch.full_like(x, float("nan"))
     try:
-        t = time.perf_counter(); y, fin = fused(bp, occ, poisoned)(); torch.cuda.synchronize()
+        t = time.perf_counter(); y, fin = fused(fq, bp, occ, poisoned)(); torch.cuda.synchronize()
         first = time.perf_counter() - t
     except Exception as e:  # a point that fails to build or launch is reported, not fatal
         print("ROW " + json.dumps(dict(shape=name, point=k, error=repr(e)[-500:])), flush=True)
@@ -50,7 +50,7 @@ for bp, occ in points:
         print("ROW " + json.dumps(dict(shape=name, point=k, gate_rel_err=err, final_rel_err=fin_err,
                                        nan=nan, first_s=first, failed=True)), flush=True)
         continue
-    fns[k] = fused(bp, occ)
+    fns[k] = fused(fq, bp, occ)
 times = {k: [] for k in fns}
 for rnd in range(2):
     for k, fn in fns.items():
@@ -61,8 +61,10 @@ for k in fns:
                                    q20_ms=[t["q20_ms"] for t in times[k]],
                                    q80_ms=[t["q80_ms"] for t in times[k]])), flush=True)
 '''
-# (block_p, occupancy hint): one wave needs b * h * p / block_p blocks resident at once
-POINTS = [(64, 2), (64, None), (32, 3), (32, 2), (16, 4)]
+# (chunk size, block_p, occupancy hint): one wave needs b * h * p / block_p blocks resident at
+# once; chunk 128 spills on a CPU compile for sm_90 (368 B at block_p 64), so 64 and 32
+POINTS = [(64, 64, 2), (64, 64, None), (64, 32, 3), (64, 32, 2), (64, 16, 4), (32, 64, 2),
+          (32, 32, 3)]
 SHAPES = [("2.7b", 4, 4096, 80, 64, 128, 1), ("130m", 8, 2048, 24, 64, 128, 1),
           ("codestral-7b", 2, 8192, 128, 64, 128, 8), ("small-state", 16, 1024, 32, 64, 64, 1),
           ("long-16k", 1, 16384, 80, 64, 128, 1)]
@@ -80,7 +82,7 @@ def main(out_path):
             env = {**os.environ, "CUDA_TILE_CACHE_DIR": cache}
             try:
                 p = subprocess.run([sys.executable, "-c", CODE, json.dumps([*shape, 64, POINTS])],
-                                   env=env, capture_output=True, text=True, timeout=120)
+                                   env=env, capture_output=True, text=True, timeout=180)
                 out, err = p.stdout, p.stderr
             except subprocess.TimeoutExpired as e:
                 out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -94,7 +96,7 @@ def main(out_path):
         timed = [r for r in got if "medians_ms" in r]
         base = next((min(r["medians_ms"]) for r in timed if r["point"] == "main"), None)
         for r in timed:
-            print(f"{r['point']:16s} {r['shape']:12s} fwd {' '.join(f'{t:.4f}' for t in r['medians_ms'])} ms "
+            print(f"{r['point']:20s} {r['shape']:12s} fwd {' '.join(f'{t:.4f}' for t in r['medians_ms'])} ms "
                   f"x main {min(r['medians_ms']) / base:.3f}", flush=True)
 
 
