@@ -167,15 +167,15 @@ def same_kernels(*revisions, root: Path = ROOT, dims=None) -> bool | None:
         return not any(_changes_shapes(c, dims) for c in between)
     if same is None:
         return None
-    git = functools.partial(_git, root)
-    for rev in revs[1:]:
-        # --no-merges: a merge brings the commits of both sides, which the log lists themselves;
-        # against its first parent it would show the other side's commits as its own change.
-        if any(_changes_kernels(commit, root, dims) for commit in
-               git("log", "--no-merges", "--format=%H", f"{revs[0]}...{rev}", "--",
-                   *KERNEL_CODE).split()):
-            return False
-    return True
+    return not any(_changes_kernels(c, root, dims)
+                   for rev in revs[1:] for c in _kernel_commits(f"{revs[0]}...{rev}", root))
+
+
+def _kernel_commits(revs: str, root: Path) -> list[str]:
+    """The commits of the git revision or range ``revs`` that touched :data:`KERNEL_CODE`, newest
+    first, merges left out: a merge brings the commits of both sides, which the log lists
+    themselves, and against its first parent it would show the other side's as its own change."""
+    return _git(root, "log", "--no-merges", "--format=%H", revs, "--", *KERNEL_CODE).split()
 
 
 def _changes_kernels(commit: str, root: Path, dims=None) -> bool:
@@ -222,8 +222,7 @@ def kernels_digest(rev: str, root: Path = ROOT) -> str:
     :func:`shape_commits` tells revisions on either side of one apart): two revisions of one line
     of history have one such digest exactly where :func:`same_kernels` finds them the same (for
     every shape), so that a machine without git can answer it from :data:`CODE_DIGESTS`."""
-    git = functools.partial(_git, root)
-    for commit in git("log", "--no-merges", "--format=%H", rev, "--", *KERNEL_CODE).split():
+    for commit in _kernel_commits(rev, root):
         # a SHAPE_KERNELS commit is told apart by shape_commits instead
         if _listed(commit, SHAPE_KERNELS) is None and _changes_kernels(commit, root):
             return code_digest(commit, KERNEL_CODE, root)

@@ -51,6 +51,21 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+@pytest.fixture
+def git(tmp_path):
+    """A new git repository in ``tmp_path`` (branch main): ``git(*args)`` runs git there and
+    returns its stripped stdout (the tests of ssd.nbutil's revision comparisons)."""
+    import subprocess
+
+    def run(*args):
+        done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=tmp_path, check=True, capture_output=True, text=True)
+        return done.stdout.strip()
+
+    run("init", "-q", "-b", "main")
+    return run
+
+
 @pytest.fixture(scope="session")
 def gpu_record():
     """Append dicts (test, stage, dtype, rel_err, tol, ...) describing each GPU check."""

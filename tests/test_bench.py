@@ -195,12 +195,7 @@ def test_glue_stores_numpy_scalars_as_numbers(monkeypatch):
     assert [b["application/papermill.record/text/plain"] for b in shown] == ["1.5e-16", "3"]
 
 
-def test_code_digests_answer_same_code_without_git(tmp_path, monkeypatch):
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
-
-    git("init", "-q")
+def test_code_digests_answer_same_code_without_git(tmp_path, monkeypatch, git):
     revs = []
     for files in ({"ssd/k.py": "kernel = 1\n"},
                   {"ssd/nbutil.py": "renders chapters\n"},                     # not measured
@@ -264,14 +259,7 @@ def test_code_digests_cover_the_recorded_revisions():
         assert table["digests"]["kernel"][now] == nbutil.code_digest(now, nbutil.KERNEL_CODE)
 
 
-def test_same_code_compares_the_package_between_recorded_revisions(tmp_path):
-    import subprocess
-
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              cwd=tmp_path, check=True, capture_output=True, text=True).stdout.strip()
-
-    git("init", "-q")
+def test_same_code_compares_the_package_between_recorded_revisions(tmp_path, git):
     (tmp_path / "ssd").mkdir()
     (tmp_path / "ssd" / "k.py").write_text("kernel = 1\n")
     git("add", "-A")

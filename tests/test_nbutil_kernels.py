@@ -109,12 +109,10 @@ def test_kernels_digest_answers_same_kernels_without_git(tmp_path, monkeypatch):
     assert same_kernels("e0ccb07", "a1ae9ed", root=nowhere) is None   # not in the table
 
 
-def synthetic_repo(path: Path):
-    """(git, commit) for a new repository at ``path``: ``commit(text, name)`` writes ssd/<name>
-    and commits it, returning the short hash."""
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
-                              cwd=path, check=True, capture_output=True, text=True).stdout.strip()
+def committer(git, path: Path):
+    """``commit(text, name)`` for the repository ``git`` runs in (the git fixture, at
+    ``path``): writes ssd/<name>, commits it and returns the short hash."""
+    (path / "ssd").mkdir()
 
     def commit(text, name="config.py"):
         (path / "ssd" / name).write_text(text)
@@ -122,17 +120,15 @@ def synthetic_repo(path: Path):
         git("commit", "-qm", text)
         return git("rev-parse", "--short=12", "HEAD")
 
-    git("init", "-q", "-b", "main")
-    (path / "ssd").mkdir()
-    return git, commit
+    return commit
 
 
-def test_same_kernels_passes_a_shape_commit_for_other_shapes_only(tmp_path, monkeypatch):
+def test_same_kernels_passes_a_shape_commit_for_other_shapes_only(tmp_path, monkeypatch, git):
     """A SHAPE_KERNELS commit stales the recordings of the shapes it changed, with git and from
     the digests' table without it; without dims every shape counts as changed."""
     from ssd import nbutil
 
-    git, commit = synthetic_repo(tmp_path)
+    commit = committer(git, tmp_path)
     a = commit("SMALL = None\n")
     b = commit("SMALL = 'a rule for states of at most 64'\n")
     c = commit("SMALL = 'the same rule'\nBIG = 'a change to every shape'\n")
@@ -156,13 +152,13 @@ def test_same_kernels_passes_a_shape_commit_for_other_shapes_only(tmp_path, monk
         assert same_kernels(*revs, root=nowhere, dims=dims) is same(*revs, dims=dims), (revs, dims)
 
 
-def test_a_merge_is_judged_by_the_commits_it_brings(tmp_path, monkeypatch):
+def test_a_merge_is_judged_by_the_commits_it_brings(tmp_path, monkeypatch, git):
     """Merging main into a branch brings main's commits, which the log lists themselves; the merge
     itself, against its first parent, would look like a kernel change (stop 40: 9e1bb6e, main's
     SAME_KERNELS commit merged into the small-state rule's branch, staled every recording)."""
     from ssd import nbutil
 
-    git, commit = synthetic_repo(tmp_path)
+    commit = committer(git, tmp_path)
     a = commit("SMALL = None\n")
     git("checkout", "-q", "-b", "branch")
     b = commit("SMALL = 'a rule for states of at most 64'\n")
