@@ -46,7 +46,8 @@ class Compiled:
     seconds: float
 
 
-FEATURES = ("none", "layer", "all")
+# "unpacked": every optional input but seq_idx, all the one-kernel stages 2 and 3 take
+FEATURES = ("none", "layer", "all", "unpacked")
 # capture_forward's default shape has a ragged last chunk; this one has full chunks of
 # FULL_CHUNK, which the walk takes in two K blocks: the case it unrolls (state_passing FULL).
 FULL_CHUNK = 128
@@ -58,7 +59,8 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
     """Run the forward's launchers on small CPU tensors and return the recorded launches.
 
     features: "none" (x, dt, A, B, C only), "layer" (plus D, dt_bias and softplus, as a Mamba-2
-    layer and the benchmark call it) or "all" (every optional input). The configuration is the
+    layer and the benchmark call it), "all" (every optional input) or "unpacked" (all but
+    seq_idx, which the one-kernel stages 2 and 3 do not take). The configuration is the
     sm_90 default at ``chunk_size`` with ``fused`` overriding its stage 2, or ``config`` when
     given. ``dims``
     (b, l, h, p, n, g) replaces the small default shape (a ragged last chunk, two groups).
@@ -79,10 +81,11 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
     extra = {}
     if features in ("layer", "all"):
         extra = dict(D=torch.randn(h), dt_bias=torch.randn(h), dt_softplus=True)
-    if features == "all":
+    if features in ("all", "unpacked"):
         extra.update(D=torch.randn(h, p), z=torch.randn(b, l, h, p, dtype=t),
-                     initial_states=torch.randn(b, h, p, n),
-                     seq_idx=torch.zeros(b, l, dtype=torch.int32), dt_limit=(0.001, 0.1))
+                     initial_states=torch.randn(b, h, p, n), dt_limit=(0.001, 0.1))
+    if features == "all":
+        extra.update(seq_idx=torch.zeros(b, l, dtype=torch.int32))
     if config is None:
         base = default_config((9, 0), chunk_size=chunk_size)
         config = SSDConfig(cumsum=base.cumsum, scan=base.scan,
@@ -94,30 +97,37 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
 
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward for each arch."""
+    from .config import FusedScanConfig, SSDConfig
+
     done, seen = [], set()
+    one_kernel = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
     for dtype in dtypes:
         for features in ("none", "all"):
+            records = []
             for fused in (True, False):
-                records = capture_forward(dtype, features, fused)
+                records += capture_forward(dtype, features, fused)
                 if fused:  # the fused walk's full-chunk variant (seqlen % chunk == 0) as well
                     full = capture_forward(dtype, features, fused, FULL_CHUNK, dims=FULL_DIMS)
                     records += [r for r in full
                                 if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
-                for record in records:
-                    sig = _launch.signature(record)
-                    key = (record.kernel, repr(sig))
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    for arch in archs:
-                        start = time.perf_counter()
-                        cubin = export_cubin(record, arch)
-                        item = Compiled(record.kernel._pyfunc.__name__, arch,
-                                        dtype if features == "none" else f"{dtype}+{features}",
-                                        len(cubin), time.perf_counter() - start)
-                        done.append(item)
-                        progress(f"[aot] {item.kernel:28s} {item.arch:7s} {item.variant:18s} "
-                                 f"{item.cubin_bytes / 1024:7.0f} KiB {item.seconds:5.1f} s")
+            # the one-kernel stages 2 and 3, at the chunk size the default takes them
+            records += capture_forward(dtype, "unpacked" if features == "all" else features,
+                                       True, 64, config=one_kernel)
+            for record in records:
+                sig = _launch.signature(record)
+                key = (record.kernel, repr(sig))
+                if key in seen:
+                    continue
+                seen.add(key)
+                for arch in archs:
+                    start = time.perf_counter()
+                    cubin = export_cubin(record, arch)
+                    item = Compiled(record.kernel._pyfunc.__name__, arch,
+                                    dtype if features == "none" else f"{dtype}+{features}",
+                                    len(cubin), time.perf_counter() - start)
+                    done.append(item)
+                    progress(f"[aot] {item.kernel:28s} {item.arch:7s} {item.variant:18s} "
+                             f"{item.cubin_bytes / 1024:7.0f} KiB {item.seconds:5.1f} s")
     return done
 
 

@@ -5,6 +5,11 @@ three cuTile stages on the inputs' device and current stream::
 
     chunk_cumsum  ->  chunk_state + state_passing (fused by default)  ->  chunk_scan
 
+or, where the default finds it fills the GPU (:func:`ssd.config.fused_scan_fills`), the last
+three in one kernel (:mod:`ssd.fused_scan`)::
+
+    chunk_cumsum  ->  chunk_state + state_passing + chunk_scan
+
 Value checks that would need the GPU to report back (A <= 0, finite inputs, seq_idx
 non-decreasing) would force a device synchronisation and break CUDA-graph capture, so they run
 only with ``check_values=True``. Inputs may be non-contiguous (kernels take strides); a tensor
@@ -19,6 +24,7 @@ import torch
 from . import chunk_cumsum as _cumsum
 from . import chunk_scan as _scan
 from . import chunk_state as _state
+from . import fused_scan as _fused_scan
 from . import state_passing as _passing
 from .config import SSDConfig, default_config
 from .reference import check_shapes
@@ -129,6 +135,12 @@ def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig
                               input_dtype=x.dtype)
 
 
+def takes_fused_scan(config: SSDConfig, seq_idx) -> bool:
+    """Whether the forward runs stages 2 and 3 as one kernel (:mod:`ssd.fused_scan`): where the
+    config enables it, except for packed sequences (seq_idx), which it does not cover."""
+    return config.fused_scan.enabled and seq_idx is None
+
+
 def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), config: SSDConfig | None = None,
@@ -141,11 +153,12 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         outputs: optional preallocated tensors keyed like the result (tests fill them with NaN
             so that an element a kernel fails to write is caught).
     Returns:
-        dict with dt_out, dA_cumsum (b, h, c, q) fp32; states (b, c, h, p, n) fp32 (split
+        dict with dt_out, dA_cumsum (b, h, c, q) fp32; final_states (b, h, p, n) fp32; y
+        (b, l, h, p) in x's dtype; and, unless stages 2 and 3 ran as one kernel
+        (:func:`takes_fused_scan`), which stores no entering state: states (b, c, h, p, n) fp32 (split
         stage 2 only); prev_states (b, c, h, p, n), with ``StateConfig.groups > 1`` from each
         group's start, then also chunk_decay (b, h, c, DECAY_ROW) fp32 and group_enter (b, G, h, p, n)
-        (:class:`ssd.state_passing.Groups`); final_states (b, h, p, n) fp32;
-        y (b, l, h, p) in x's dtype.
+        (:class:`ssd.state_passing.Groups`).
     """
     config = resolve_config(config, chunk_size, x, B)
     out = outputs or {}
@@ -158,6 +171,11 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     r["dt_out"], r["dA_cumsum"] = _cumsum.chunk_cumsum(
         dt, A, chunk_size, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
         config=config.cumsum, out=_pair(out, "dt_out", "dA_cumsum"))
+    if takes_fused_scan(config, seq_idx):
+        r["y"], r["final_states"] = _fused_scan.fused_scan(
+            B, C, x, r["dt_out"], r["dA_cumsum"], D=D, z=z, initial_states=initial_states,
+            config=config.fused_scan, out=_pair(out, "y", "final_states"))
+        return r
     groups = None
     if config.state.fused and config.state.groups > 1:
         r["prev_states"], r["final_states"], groups = _passing.grouped_chunk_state_passing(
@@ -218,4 +236,5 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     return (r["y"], r["final_states"]) if return_final_states else r["y"]
 
 
-__all__ = ["mamba_chunk_scan_combined", "forward_stages", "validate", "chunk_seq_last", "STAGES"]
+__all__ = ["mamba_chunk_scan_combined", "forward_stages", "validate", "chunk_seq_last",
+           "takes_fused_scan", "STAGES"]

@@ -324,9 +324,14 @@ def first_call(fn):
 # ----------------------------------------------------------------------------- stages
 
 
+# the stage-time key of the one-kernel stages 2 and 3 (ssd.fused_scan)
+FUSED_SCAN_STAGE = "chunk_state+state_passing+chunk_scan"
+
+
 def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
-    """Per-stage times (ms, eager, L2 flushed) of ours, from the intermediates of one run."""
-    from . import api, chunk_cumsum, chunk_scan, chunk_state, state_passing
+    """Per-stage times (ms, eager, L2 flushed) of ours, from the intermediates of one run: its
+    kernels, each alone (stages fused into one kernel under one key, "+" between their names)."""
+    from . import api, chunk_cumsum, chunk_scan, chunk_state, fused_scan, state_passing
 
     x, dt, A, B, C, D, bias = _forward_args(inputs)
     config = api.resolve_config(config, chunk_size, x, B)
@@ -336,6 +341,11 @@ def stage_times(inputs, chunk_size=OUR_CHUNK, config=None, reps=30) -> dict:
     t["chunk_cumsum"] = time_fn(lambda: chunk_cumsum.chunk_cumsum(
         dt, A, chunk_size, dt_bias=bias, dt_softplus=True, config=config.cumsum),
         mode="eager", reps=reps)["median_ms"]
+    if api.takes_fused_scan(config, None):
+        t[FUSED_SCAN_STAGE] = time_fn(lambda: fused_scan.fused_scan(
+            B, C, x, r["dt_out"], r["dA_cumsum"], D=D, config=config.fused_scan), mode="eager",
+            reps=reps)["median_ms"]
+        return t
     groups = None
     if config.state.groups > 1:  # both kernels of the grouped walk
         groups = state_passing.Groups(r["chunk_decay"], r["group_enter"],
@@ -644,7 +654,9 @@ def config_space(dims=None, sms: int | None = None):
     there (:func:`shape_default`; it differs where stage 2 would have few blocks or need a
     second wave), so that the study times what ships and every factor changes one thing of it.
     The first triple is that default. The factors: the chunk size (given ``dims``,
-    what the API picks at each); stage 2 (fused or split, entering-state dtype, the state
+    what the API picks at each); where the default runs stages 2 and 3 as one kernel, the three
+    stages instead, and the one kernel's channel block and occupancy hint (the stage factors
+    below then vary the three stages it configures); stage 2 (fused or split, entering-state dtype, the state
     slice ``block_n``, its layout, the narrow slices of few-block problems, other counts of chunk
     groups where the default walks groups, the occupancy hint); chunk_scan (heads per block,
     occupancy hint, persistent or one block per tile, whole-chunk tiles of one or two heads,
@@ -662,11 +674,22 @@ def config_space(dims=None, sms: int | None = None):
         return default_config((9, 0), chunk_size=q) if dims is None else \
             shape_default(dims, sms, chunk_size=q)
 
-    d = shipped(OUR_CHUNK)
+    shipped_d = shipped(OUR_CHUNK)
+    # Where the default runs stages 2 and 3 as one kernel, the three stages it configures
+    # (which seq_idx takes) are a point, and the stage factors vary them; the one kernel's own
+    # factors are its channel block and hint.
+    fs = shipped_d.fused_scan
+    d = replace(shipped_d, fused_scan=replace(fs, enabled=False))
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
     sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
-    space = [("default", OUR_CHUNK, d)]
+    space = [("default", OUR_CHUNK, shipped_d)]
     space += [("chunk size", q, shipped(q)) for q in SUITE_CHUNKS if q != OUR_CHUNK]
+    if fs.enabled:
+        space += [("one kernel", OUR_CHUNK, d)]
+        space += [("one kernel block_p", OUR_CHUNK, replace(shipped_d, fused_scan=replace(
+            fs, block_p=32)))]
+        space += [("one kernel occupancy", OUR_CHUNK, replace(shipped_d, fused_scan=replace(
+            fs, occupancy=v))) for v in (None, 3)]
     space += [("stage 2 split", OUR_CHUNK, st(fused=False, groups=1))]
     space += [("state dtype", OUR_CHUNK, st(state_dtype="float32"))]
     space += [("state block_n", OUR_CHUNK, st(block_n=v)) for v in (16, 32, 64, 128)
@@ -765,6 +788,9 @@ def _hints_label(stage) -> str:
 
 def config_label(q, cfg: SSDConfig) -> str:
     st, sc = cfg.state, cfg.scan
+    if cfg.fused_scan.enabled:  # stage 2 and chunk_scan's configs unused
+        fs = cfg.fused_scan
+        return f"q{q} stages 2+3 one kernel p{fs.block_p} o{fs.occupancy or '-'}"
     dtype = {"input": "in", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[st.state_dtype]
     # Fields the study keeps at their defaults appear only when changed (k16, sp32, ch4, g4).
     d = SSDConfig()

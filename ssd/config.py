@@ -40,7 +40,7 @@ def _check_hints(config) -> None:
             ("occupancy", lambda v: 1 <= v <= 32, "1..32"),
             ("latency", lambda v: 1 <= v <= 10, "1..10"),
             ("warps", lambda v: v in (4, 8), "4 or 8")):
-        value = getattr(config, name)
+        value = getattr(config, name, None)  # a config may lack a hint (FusedScanConfig)
         if value is not None and not (isinstance(value, int) and ok(value)):
             raise ValueError(f"{name}: expected None (compiler's choice) or {expected}, "
                              f"got {value!r}")
@@ -150,10 +150,28 @@ class ScanConfig:
 
 
 @dataclass(frozen=True)
+class FusedScanConfig:
+    """Stages 2 and 3 in one kernel (:mod:`ssd.fused_scan`): where ``enabled``, one block per
+    (batch, head, ``block_p`` channels) walks its sequence's chunks and writes their output rows
+    from the entering state it holds, which is never stored; ``state`` and ``scan`` are then
+    unused (except with seq_idx, which takes the three stages). ``occupancy`` as in
+    StateConfig."""
+
+    enabled: bool = False
+    block_p: int = 64
+    occupancy: int | None = 2
+
+    def __post_init__(self):
+        _check_pow2("block_p", self.block_p)
+        _check_hints(self)
+
+
+@dataclass(frozen=True)
 class SSDConfig:
     cumsum: CumsumConfig = field(default_factory=CumsumConfig)
     state: StateConfig = field(default_factory=StateConfig)
     scan: ScanConfig = field(default_factory=ScanConfig)
+    fused_scan: FusedScanConfig = field(default_factory=FusedScanConfig)
 
     @classmethod
     def from_dict(cls, record: dict) -> "SSDConfig":
@@ -191,7 +209,8 @@ class SSDConfig:
                         block_n=min(self.state.block_n, next_pow2(dstate)))
         if input_dtype is not None:
             state = replace(state, state_dtype=state.storage_dtype(input_dtype))
-        return replace(self, scan=scan, state=state)
+        fused_scan = replace(self.fused_scan, block_p=min(self.fused_scan.block_p, p))
+        return replace(self, scan=scan, state=state, fused_scan=fused_scan)
 
 
 def next_pow2(n: int) -> int:
@@ -291,6 +310,22 @@ SMALL_STATE_AT = {128: dict(occupancy=2), 256: dict(whole_chunk=False, shared=Fa
 GROUPED_WALK = 4
 GROUPED_MIN_CHUNKS = 128
 
+# Stages 2 and 3 in one kernel (FusedScanConfig) at chunk size 64, for states of at most
+# FUSED_SCAN_MAX_STATE and heads of one channel block, where its grid of b x h blocks (two
+# resident a SM: 128 registers, 87 KB of shared memory on sm_90) fills at least FUSED_SCAN_MIN_FILL
+# of the resident slots of the FUSED_SCAN_MAX_WAVES or fewer waves it needs: every block walks
+# its whole sequence, so a wave part empty costs a whole walk. Measured against the shipped
+# three-stage forward at its faster chunk size, 64 or 128 (results/h200/screening/stop41/
+# fused-a.json and fused-b.json, 132 SMs): codestral-7b (256 blocks, 0.97 of one wave) 0.682x,
+# small-state (512 blocks, 0.97 of two waves) 0.841x, 130m (192 blocks, 0.73 of one wave)
+# 0.840x; 2.7b (320 blocks, 0.61 of two waves) 1.044x and long-16k (80 blocks, 0.30 of one wave)
+# 1.495x keep the three stages. Narrower channel blocks (32, 16) and chunk 32 were slower on
+# every shape (C Bᵀ is recomputed per channel block; twice the chunks to walk).
+FUSED_SCAN_CHUNK = 64
+FUSED_SCAN_MAX_STATE = 128
+FUSED_SCAN_MIN_FILL = 2 / 3
+FUSED_SCAN_MAX_WAVES = 2
+
 
 def default_config(capability: tuple[int, int] | None = None,
                    problem: tuple[int, int, int, int] | None = None,
@@ -308,7 +343,9 @@ def default_config(capability: tuple[int, int] | None = None,
     the ``problem``, a state of at most ``SMALL_STATE`` gets whole-chunk chunk_scan tiles of
     one head, each tile loaded once (on sm_90 at chunk 128 with the hint of 2, at 256 64-row tiles
     instead: ``SMALL_STATE_AT``); on sm_90 at ``chunk_size`` ``CHUNK64``, the other problems'
-    chunk_scan gets the whole-chunk tiles (loaded once) and occupancy hint of ``CHUNK64_SCAN``:
+    chunk_scan gets the whole-chunk tiles (loaded once) and occupancy hint of ``CHUNK64_SCAN``;
+    and on sm_90 at ``FUSED_SCAN_CHUNK``, a problem whose one-kernel stages 2 and 3 fill the
+    GPU (:func:`fused_scan_fills`) gets those (the three stages stay configured for seq_idx):
     the Performance chapters measure them on the model shapes."""
     if capability is None:
         try:
@@ -341,4 +378,21 @@ def default_config(capability: tuple[int, int] | None = None,
     if (chunk_size == CHUNK64 and capability[0] in MEASURED_ARCHS and config.scan.occupancy
             and not config.scan.whole_chunk):
         config = replace(config, scan=replace(config.scan, **CHUNK64_SCAN))
+    if problem is not None and sms and fused_scan_fills(config.fused_scan, problem, sms) and (
+            chunk_size == FUSED_SCAN_CHUNK and capability[0] in MEASURED_ARCHS):
+        config = replace(config, fused_scan=replace(config.fused_scan, enabled=True))
     return config
+
+
+def fused_scan_fills(fused_scan: FusedScanConfig, problem: tuple[int, int, int, int],
+                     sms: int) -> bool:
+    """Whether the one-kernel stages 2 and 3 suit the (batch, heads, headdim, dstate)
+    ``problem`` on ``sms`` SMs: a state of at most FUSED_SCAN_MAX_STATE, one channel block a
+    head, and a grid that fills FUSED_SCAN_MIN_FILL of the resident slots of its waves (at most
+    FUSED_SCAN_MAX_WAVES), the hint's blocks a SM."""
+    b, h, p, n = problem
+    if not fused_scan.occupancy or n > FUSED_SCAN_MAX_STATE or p > fused_scan.block_p:
+        return False
+    slots = fused_scan.occupancy * sms
+    waves = -(-b * h // slots)
+    return waves <= FUSED_SCAN_MAX_WAVES and b * h >= FUSED_SCAN_MIN_FILL * waves * slots

@@ -83,9 +83,10 @@ def reference_of(spec: ProblemSpec, inputs: dict) -> dict:
 
 
 def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="float32",
-                     device="cuda", groups=1) -> dict:
+                     device="cuda", groups=1, entering=True) -> dict:
     """NaN-filled output buffers for every stage, shaped as the stages write them:
-    dt_out, dA_cumsum (b,h,c,q) fp32; prev_states (b,c,h,p,n) in ``state_dtype``;
+    dt_out, dA_cumsum (b,h,c,q) fp32; prev_states (b,c,h,p,n) in ``state_dtype`` (unless not
+    ``entering``: the one-kernel stages 2 and 3 store no entering state);
     final_states (b,h,p,n) fp32; y (b,l,h,p) in ``dtype``; with ``split`` also states
     (b,c,h,p,n) fp32; with ``groups`` > 1 also chunk_decay (b,h,c,DECAY_ROW) fp32 and group_enter
     (b,groups,h,p,n) in ``state_dtype``."""
@@ -101,6 +102,8 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="fl
         "final_states": torch.full((b, h, p, n), dtype=torch.float32, **nan),
         "y": torch.full((b, l, h, p), dtype=getattr(torch, dtype), **nan),
     }
+    if not entering:
+        del out["prev_states"]
     if split:
         out["states"] = torch.full((b, c, h, p, n), dtype=torch.float32, **nan)
     if groups > 1:
@@ -126,12 +129,15 @@ def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config) -> dict:
     every stage output (a dict keyed as :data:`STAGE_KEYS`), after a synchronize."""
     import torch
 
-    from .api import forward_stages
+    from .api import forward_stages, takes_fused_scan
     from .state_passing import chunks_per_group
 
-    outputs = poisoned_outputs(spec, dtype, split=not config.state.fused,
-                               state_dtype=config.state.storage_dtype(dtype),
-                               groups=config.state.groups)
+    if takes_fused_scan(config, inputs.get("seq_idx")):
+        outputs = poisoned_outputs(spec, dtype, split=False, entering=False)
+    else:
+        outputs = poisoned_outputs(spec, dtype, split=not config.state.fused,
+                                   state_dtype=config.state.storage_dtype(dtype),
+                                   groups=config.state.groups)
     r = forward_stages(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
                        spec.chunk_size, D=inputs.get("D"), z=inputs.get("z"),
                        dt_bias=inputs.get("dt_bias"), initial_states=inputs.get("initial_states"),

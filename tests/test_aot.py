@@ -17,7 +17,7 @@ pytest.importorskip("cuda.tile")
 from ssd import aot  # noqa: E402
 
 KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
-           "chunk_scan_kernel"}
+           "chunk_scan_kernel", "fused_scan_kernel"}
 
 
 @pytest.mark.parametrize("dtype", aot.DTYPES)
@@ -420,3 +420,49 @@ def test_kernel_compile_seconds_reads_the_cache(tmp_path):
     seconds = bench.kernel_compile_seconds(tmp_path)
     assert set(seconds) == {"chunk_cumsum", "state_passing", "chunk_scan"}
     assert all(len(s) == 1 and 0 < s[0] < 120 for s in seconds.values())
+
+
+def one_kernel_scan(dims=(2, 4 * 64, 128, 64, 128, 8), features="layer"):
+    """The one-kernel stages 2 and 3 (ssd.fused_scan) as the default takes them at chunk 64, on
+    codestral-7b's pattern (the shapes it was measured on: 130m, codestral-7b, small-state), or
+    taken by hand on other ``dims``."""
+    from ssd.config import FusedScanConfig, SSDConfig, default_config
+
+    b, l, h, p, n, g = dims
+    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64, seqlen=l)
+    if dims == (2, 4 * 64, 128, 64, 128, 8):
+        assert config.fused_scan.enabled
+    else:
+        config = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
+    records = aot.capture_forward("bfloat16", features, True, chunk_size=64, config=config,
+                                  dims=dims)
+    assert [r.kernel._pyfunc.__name__ for r in records] == ["chunk_cumsum_kernel",
+                                                            "fused_scan_kernel"]
+    return records[1]
+
+
+def test_one_kernel_scan_fits_two_blocks_a_sm():
+    """The premise of the rule's resident slots (ssd.config.fused_scan_fills: the hint's two
+    blocks a SM): on sm_90 two blocks fit a SM by registers and shared memory. The compiler keeps
+    a stack of a few dozen bytes (40 at the screen, stop 41), not a spill of the state."""
+    use = aot.resource_usage(aot.export_cubin(one_kernel_scan(), "sm_90"))
+    assert -(-use["registers"] // 8) * 8 * 256 * 2 <= 64 * 1024
+    assert 2 * (use["shared_bytes"] + 1024) <= 228 * 1024
+    assert use["stack_bytes"] <= 64
+
+
+def test_packed_sequences_take_the_three_stages():
+    """seq_idx is what the one kernel does not cover: with it the forward launches the stages."""
+    from ssd.config import FusedScanConfig, SSDConfig
+
+    config = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
+    names = lambda features: [r.kernel._pyfunc.__name__ for r in aot.capture_forward(  # noqa: E731
+        "bfloat16", features, True, chunk_size=64, config=config)]
+    assert names("unpacked") == ["chunk_cumsum_kernel", "fused_scan_kernel"]
+    assert names("all") == ["chunk_cumsum_kernel", "state_passing_kernel", "chunk_scan_kernel"]
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_one_kernel_scan_compiles_with_every_input(arch):
+    """z, initial states, D per channel, a partial chunk, p and n not powers of two."""
+    assert len(aot.export_cubin(one_kernel_scan((2, 100, 4, 96, 48, 2), "unpacked"), arch)) > 1000

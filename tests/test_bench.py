@@ -10,7 +10,7 @@ import pytest
 
 from ssd import bench, nbutil
 from ssd.config import (CHUNK64_SCAN, GROUPED_WALK, NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE,
-                        SMALL_STATE_AT, SMALL_STATE_SCAN, default_config)
+                        SMALL_STATE_AT, SMALL_STATE_SCAN, FusedScanConfig, default_config)
 from ssd.env import gpu_slug
 
 
@@ -94,9 +94,20 @@ def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, at64,
     not its whole states narrowed) and no scan tile exceeds a chunk (it would be clamped back)."""
     assert bench.OUR_CHUNK == ONE_WAVE_CHUNK  # the 2.7b case's premise
     space = bench.config_space(dims, 132)
-    factor, q0, d = space[0]
+    factor, q0, shipped = space[0]
+    # 130m, codestral-7b and small-state run stages 2 and 3 as one kernel at 64: the points
+    # vary the three stages it configures, beside the one kernel's own
+    one_kernel = dims is not None and dims[0] * dims[2] in (192, 256, 512)
+    d = replace(shipped, fused_scan=FusedScanConfig())
+    assert shipped.fused_scan.enabled is one_kernel
     assert (factor, q0, d) == ("default", bench.OUR_CHUNK, _at64(at64))
-    assert dims is None or d == bench.shape_default(dims, 132)   # what the API picks there
+    assert dims is None or shipped == bench.shape_default(dims, 132)   # what the API picks there
+    own = [(f, cfg.fused_scan) for f, _, cfg in space if f.startswith("one kernel")]
+    assert own == ([("one kernel", FusedScanConfig())]
+                   + [(f"one kernel {k}", replace(shipped.fused_scan, **{k: v}))
+                      for k, v in (("block_p", 32), ("occupancy", None), ("occupancy", 3))]
+                   if one_kernel else [])
+    space = [(f, q, cfg) for f, q, cfg in space if not f.startswith("one kernel")]
     assert {q: c for f, q, c in space if f == "chunk size"} == (
         elsewhere if isinstance(elsewhere, dict) else {128: elsewhere, 256: elsewhere})
     narrow = [cfg.state for f, _, cfg in space if f == "state narrow"]

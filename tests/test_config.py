@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from ssd.config import ScanConfig, SSDConfig, StateConfig, default_config
+from ssd.config import FusedScanConfig, ScanConfig, SSDConfig, StateConfig, default_config
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_p=48), dict(block_n=0), dict(block_k=3),
@@ -299,3 +299,55 @@ def test_small_states_take_their_own_tiles_at_chunk_128_and_256():
         assert scan == replace(default_config(cap).scan, **SMALL_STATE_SCAN), (cap, q)
     big = default_config((9, 0), chunk_size=256, problem=(8, 24, 64, 128), sms=132).scan
     assert big == base   # state 128: not a small state
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_p=48), dict(occupancy=0), dict(occupancy=2.5)])
+def test_fused_scan_config_rejects_bad_values(kwargs):
+    with pytest.raises(ValueError):
+        FusedScanConfig(**kwargs)
+
+
+# The model suite's shapes (b, h, p, n) on the H200's 132 SMs at chunk 64: the screen of stop 41
+# (results/h200/screening/stop41/) measured the one kernel faster on the first three and slower
+# on the last two; a serving batch of 8 x 80 heads needs three waves, more than measured.
+@pytest.mark.parametrize("name,problem,taken", [
+    ("codestral-7b", (2, 128, 64, 128), True), ("small-state", (16, 32, 64, 64), True),
+    ("130m", (8, 24, 64, 128), True), ("2.7b", (4, 80, 64, 128), False),
+    ("long-16k", (1, 80, 64, 128), False), ("prompts-8x1k", (8, 80, 64, 128), False),
+    ("state 256", (2, 128, 64, 256), False), ("headdim 128", (2, 128, 128, 128), False)])
+def test_default_takes_one_kernel_where_its_grid_fills_the_gpu(name, problem, taken):
+    """ssd.config.fused_scan_fills, at chunk 64 on sm_90 only."""
+    b = problem[0]
+    cfg = default_config((9, 0), problem=problem, sms=132, chunk_size=64, seqlen=4096 // b)
+    assert cfg.fused_scan.enabled is taken
+    for capability, q in (((9, 0), 128), ((9, 0), 256), ((10, 0), 64), ((8, 0), 64)):
+        assert not default_config(capability, problem=problem, sms=132, chunk_size=q,
+                                  seqlen=4096 // b).fused_scan.enabled
+    # the three stages stay configured as without the rule (seq_idx takes them)
+    assert replace(cfg, fused_scan=FusedScanConfig()) == replace(
+        default_config((9, 0), problem=problem, sms=132, chunk_size=64, seqlen=4096 // b),
+        fused_scan=FusedScanConfig())
+
+
+@pytest.mark.parametrize("bh,taken", [(175, False), (176, True), (264, True), (265, False),
+                                      (351, False), (352, True), (528, True), (529, False)])
+def test_one_kernel_fill_bounds(bh, taken):
+    """Two thirds of the resident slots (2 x 132) of one or two waves, no third wave."""
+    from ssd.config import fused_scan_fills
+
+    assert fused_scan_fills(FusedScanConfig(), (1, bh, 64, 128), 132) is taken
+    assert not fused_scan_fills(FusedScanConfig(occupancy=None), (1, bh, 64, 128), 132)
+
+
+def test_recordings_before_the_one_kernel_read_as_three_stages():
+    from dataclasses import asdict
+
+    record = asdict(SSDConfig())
+    del record["fused_scan"]
+    assert not SSDConfig.from_dict(record).fused_scan.enabled
+
+
+def test_for_problem_clamps_the_one_kernel_channel_block():
+    cfg = SSDConfig(fused_scan=FusedScanConfig(enabled=True, block_p=64))
+    assert cfg.for_problem(64, 24, 128, 1).fused_scan.block_p == 32
+    assert cfg.for_problem(64, 96, 128, 1).fused_scan.block_p == 64

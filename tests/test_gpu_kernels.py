@@ -21,7 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ssd.config import (CHUNK64_SCAN, MEASURED_ARCHS, NARROW_STATE, ONE_WAVE_STATE,  # noqa: E402
-                        SMALL_STATE_SCAN, ScanConfig, SSDConfig, StateConfig)
+                        SMALL_STATE_SCAN, FusedScanConfig, ScanConfig, SSDConfig, StateConfig)
+from ssd.api import takes_fused_scan  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
                           rel_err, run_stages)
@@ -57,8 +58,12 @@ GROUPS = SSDConfig(state=StateConfig(groups=3))
 GROUPS64 = SSDConfig(state=StateConfig(groups=4, **ONE_WAVE_STATE), scan=ScanConfig(**CHUNK64_SCAN))
 GROUPS_NT = SSDConfig(state=StateConfig(groups=2, transposed=False, block_p=32, block_n=32),
                       scan=ScanConfig(block_s=32, persistent=False))
+# Stages 2 and 3 as one kernel (ssd.fused_scan), as the default takes it at chunk 64; with
+# seq_idx the forward takes the three stages instead.
+ONEKERNEL = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
 NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE,
-             SCAN64=SCAN64, GROUPS=GROUPS, GROUPS64=GROUPS64, GROUPS_NT=GROUPS_NT)
+             SCAN64=SCAN64, GROUPS=GROUPS, GROUPS64=GROUPS64, GROUPS_NT=GROUPS_NT,
+             ONEKERNEL=ONEKERNEL)
 # SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
@@ -79,7 +84,9 @@ def check_stages(spec, dtype, config, record, label, seed):
         err = rel_err(got[key], ref[key])
         record.append(dict(test=label, shape=spec.name or str(spec), dims=list(spec.dims),
                            chunk_size=spec.chunk_size, dtype=dtype, stage=key,
-                           fused=config.state.fused, rel_err=err, tol=tol, seed=seed))
+                           fused=config.state.fused,
+                           one_kernel=takes_fused_scan(config, inputs.get("seq_idx")),
+                           rel_err=err, tol=tol, seed=seed))
         if not err <= tol:
             failures.append(f"{key}: rel err {err:.3e} > {tol:.0e}")
     assert not failures, f"{spec} [{dtype}, seed {seed}]: " + "; ".join(failures)
@@ -119,7 +126,9 @@ def test_one_wave_stage2_where_the_default_takes_it(gpu_record):
     """The whole-state stage 2 (ONE_WAVE_STATE) as the default takes it: chunk 64, state 128, full
     chunks (the unrolled walk 2.7b runs), on a problem whose 64-wide slices need more blocks than
     fit at once on this GPU and whose whole states fit in one wave: three sequences of as many
-    heads as the GPU has SMs."""
+    heads as the GPU has SMs. The default runs this problem's stages 2 and 3 as one kernel
+    (ONEKERNEL, tested beside the others); the three stages, which seq_idx would take, are
+    what is checked here."""
     from ssd.api import resolve_config
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -128,12 +137,54 @@ def test_one_wave_stage2_where_the_default_takes_it(gpu_record):
     x = torch.empty(spec.dims[:4], device="cuda", dtype=torch.bfloat16)
     B = torch.empty(3, 256, 1, 128, device="cuda", dtype=torch.bfloat16)
     config = resolve_config(None, spec.chunk_size, x, B)
+    config = dataclasses.replace(config, fused_scan=FusedScanConfig())
     if torch.cuda.get_device_capability()[0] in MEASURED_ARCHS:   # the rule is sm_90's
         assert (config.state.block_n, config.state.block_k, config.state.occupancy) == \
             tuple(ONE_WAVE_STATE[k] for k in ("block_n", "block_k", "occupancy"))
     else:  # the same kernel, taken by hand
         config = dataclasses.replace(config, state=dataclasses.replace(config.state, **ONE_WAVE_STATE))
     check_stages(spec, "bfloat16", config, gpu_record, "one-wave", seed_for(spec.name))
+
+
+# Stages 2 and 3 as one kernel over what it covers: a partial last chunk, a state and a head dim
+# that are not powers of two (padded tiles; p 96 is two channel blocks), several groups, D per
+# head and per channel, z, initial states, chunk sizes 32 to 128.
+ONE_KERNEL_CASES = [
+    ProblemSpec(2, 256, 8, 64, 128, 1, chunk_size=64, D="h", dt_bias=True, dt_softplus=True,
+                name="full-chunks"),
+    ProblemSpec(2, 300, 16, 64, 128, 4, chunk_size=64, D="hp", dt_bias=True, dt_softplus=True,
+                z=True, initial_states=True, name="partial-groups-z-init"),
+    ProblemSpec(3, 200, 4, 96, 48, 2, chunk_size=32, D="h", dt_softplus=True,
+                initial_states=True, name="p96-n48-q32"),
+    ProblemSpec(1, 450, 4, 64, 64, 1, chunk_size=128, z=True, dt_limit=(0.001, 0.1),
+                name="q128-n64-limit"),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("spec", ONE_KERNEL_CASES, ids=lambda s: s.name)
+def test_one_kernel_stages_2_and_3(spec, dtype, gpu_record):
+    check_stages(spec, dtype, ONEKERNEL, gpu_record, f"one-kernel/{spec.name}",
+                 seed_for(spec.name + dtype))
+
+
+def test_one_kernel_where_the_default_takes_it(gpu_record):
+    """ssd.fused_scan as the default takes it on sm_90: chunk 64, state 128, two sequences of as
+    many heads as the GPU has SMs (one full wave at two blocks a SM), 8 groups as codestral-7b,
+    full chunks."""
+    from ssd.api import resolve_config
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    spec = ProblemSpec(2, 256, sms, 64, 128, 4, chunk_size=64, D="h", dt_bias=True,
+                       dt_softplus=True, name="one-kernel-default")
+    x = torch.empty(spec.dims[:4], device="cuda", dtype=torch.bfloat16)
+    B = torch.empty(2, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    config = resolve_config(None, spec.chunk_size, x, B)
+    if torch.cuda.get_device_capability()[0] in MEASURED_ARCHS:   # the rule is sm_90's
+        assert config.fused_scan.enabled
+    else:  # the same kernel, taken by hand
+        config = dataclasses.replace(config, fused_scan=ONEKERNEL.fused_scan)
+    check_stages(spec, "bfloat16", config, gpu_record, "one-kernel-default", seed_for(spec.name))
 
 
 def test_grouped_walk_where_the_default_takes_it(gpu_record):
@@ -320,14 +371,15 @@ def test_matches_mamba_ssm_where_it_is_correct(gpu_record, name):
 
 
 @pytest.mark.skipif(os.environ.get("SSD_SKIP_LARGE") == "1", reason="SSD_SKIP_LARGE=1")
-def test_more_than_2_31_elements(gpu_record):
+@pytest.mark.parametrize("q,config", [(256, None), (64, ONEKERNEL)], ids=["q256", "one-kernel"])
+def test_more_than_2_31_elements(gpu_record, q, config):
     """b8 x 65,536 tokens x 80 heads x headdim 64 x dstate 128 in bf16: x has 2.7 G elements
     (mamba_ssm's Triton forward dies here with an illegal memory access: 32-bit offsets).
-    Checked against the float64 reference on the last batch row for a slice of heads."""
+    Checked against the float64 reference on the last batch row for a slice of heads, with the
+    default at chunk 256 and with stages 2 and 3 in one kernel at 64."""
     import ssd
 
     b, l, h, p, n = 8, 65536, 80, 64, 128
-    q = 256
     gen = torch.Generator(device="cuda").manual_seed(seed_for("large"))
     x = torch.randn(b, l, h, p, device="cuda", dtype=torch.bfloat16, generator=gen)
     assert x.numel() > 2**31
@@ -338,7 +390,8 @@ def test_more_than_2_31_elements(gpu_record):
     A = -torch.exp(torch.empty(h, device="cuda").uniform_(0, math.log(16), generator=gen))
     D = torch.randn(h, device="cuda")
     with torch.no_grad():
-        y, final = ssd.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, return_final_states=True)
+        y, final = ssd.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, return_final_states=True,
+                                                 config=config)
     torch.cuda.synchronize()
     heads = slice(h - 4, h)  # the last batch row, the last four heads: the highest offsets
     spec = ProblemSpec(1, l, 4, p, n, 1, chunk_size=q, D="h", name="large-slice")
@@ -347,7 +400,7 @@ def test_more_than_2_31_elements(gpu_record):
     ref = reference_of(spec, sl)
     for key, out in (("y", y[-1:, :, heads]), ("final_states", final[-1:, heads])):
         err = rel_err(out, ref[key])
-        gpu_record.append(dict(test="large/2.7G", shape="b8-l65536-h80-p64-n128", dtype="bfloat16",
+        gpu_record.append(dict(test=f"large/2.7G/{q}", shape="b8-l65536-h80-p64-n128", dtype="bfloat16",
                                stage=key, rel_err=err, tol=TOL["bfloat16"],
                                x_numel=x.numel()))
         assert err <= TOL["bfloat16"], f"{key}: {err:.3e}"
