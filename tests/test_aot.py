@@ -120,7 +120,8 @@ from ssd.bench import shape_default
 q = int(sys.argv[1]); dims = tuple(map(int, sys.argv[2:8]))
 config = shape_default(dims, 132, chunk_size=q)
 records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config, dims=dims)
-(scan,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_scan_kernel"]
+# where the default runs stages 2 and 3 as one kernel (small-state's pattern), that kernel
+(scan,) = [r for r in records if r.kernel._pyfunc.__name__ in ("chunk_scan_kernel", "fused_scan_kernel")]
 start = time.perf_counter()
 aot.export_cubin(scan, "sm_90")
 print(time.perf_counter() - start)
@@ -319,8 +320,9 @@ def test_resource_points_are_the_study_spaces():
         own = bench.config_space(dims[name], 132)
         assert {bench.config_label(q, c) for _, q, c in own} <= set(labels)
         assert all(p[1:] in own for p in points if p[0] == name)
-    # On 132 SMs 2.7b ships the one-wave stage 2 at chunk 64, which the generic space lacks.
-    assert {p[0] for p in points} == {"generic", "2.7b"}
+    # On 132 SMs 2.7b ships the one-wave stage 2 at chunk 64, which the generic space lacks, and
+    # 130m and codestral-7b stages 2 and 3 in one kernel.
+    assert {p[0] for p in points} == {"generic", "2.7b", "130m", "codestral-7b"}
 
 
 def test_recorded_resources_are_what_this_compiler_makes():
