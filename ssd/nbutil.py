@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .config import SMALL_STATE
+from .config import SMALL_STATE, FusedScanConfig, fused_scan_fills
 from .env import ROOT, environment, gpu_slug, write_json
 
 RESULTS = ROOT / "results"
@@ -130,7 +130,8 @@ def same_code(*revisions, paths=MEASURED_CODE, root: Path = ROOT) -> bool | None
 #: before one is a time of the kernels after it (:func:`same_kernels`). {commit: what it changed}
 SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch code only",
                 "fa1cf03": "the quick first call keyed per launch, not per kernel",
-                "b2819b5": "the quick first call's QuickFirst made once per tuned build"}
+                "b2819b5": "the quick first call's QuickFirst made once per tuned build",
+                "0ec89c1": "the fused-walk prototype (ssd/fused_walk.py), which no forward imports"}
 
 #: Commits that changed the kernels of some problem shapes only, a default rule of
 #: :mod:`ssd.config` say: {commit: (what it changed, the shapes whose kernels it changed, a
@@ -140,7 +141,12 @@ SAME_KERNELS = {"e81deae": "chunk_scan's quick first call (ssd._tiered): launch 
 #: predicate leaves out keeps its kernels and that the shapes it names do change.
 SHAPE_KERNELS: dict = {
     "23e5cbd": ("small states at chunk 128 and 256 (config.SMALL_STATE_AT)",
-                [(16, 1024, 32, 64, 64, 1)], lambda dims: dims[4] <= SMALL_STATE)}
+                [(16, 1024, 32, 64, 64, 1)], lambda dims: dims[4] <= SMALL_STATE),
+    # on the H200's 132 SMs, where the recordings are made
+    "57ba209": ("stages 2 and 3 in one kernel at chunk 64 where its grid fills the GPU "
+                "(config.fused_scan_fills)",
+                [(8, 2048, 24, 64, 128, 1), (2, 8192, 128, 64, 128, 8), (16, 1024, 32, 64, 64, 1)],
+                lambda dims: fused_scan_fills(FusedScanConfig(), (dims[0], *dims[2:5]), 132))}
 
 
 def same_kernels(*revisions, root: Path = ROOT, dims=None) -> bool | None:
