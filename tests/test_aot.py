@@ -425,15 +425,16 @@ def test_kernel_compile_seconds_reads_the_cache(tmp_path):
     assert all(len(s) == 1 and 0 < s[0] < 120 for s in seconds.values())
 
 
-def one_kernel_scan(dims=(2, 4 * 64, 128, 64, 128, 8), features="layer"):
+def one_kernel_scan(dims=None, features="layer"):
     """The one-kernel stages 2 and 3 (ssd.fused_scan) as the default takes them at chunk 64, on
-    codestral-7b's pattern (the shapes it was measured on: 130m, codestral-7b, small-state), or
-    taken by hand on other ``dims``."""
+    codestral-7b's pattern (the shapes it was measured on: 130m, codestral-7b, small-state), or,
+    given other ``dims``, taken by hand."""
     from ssd.config import FusedScanConfig, SSDConfig, default_config
 
-    b, l, h, p, n, g = dims
-    config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64, seqlen=l)
-    if dims == (2, 4 * 64, 128, 64, 128, 8):
+    if dims is None:
+        dims = (2, 4 * 64, 128, 64, 128, 8)
+        b, l, h, p, n, g = dims
+        config = default_config((9, 0), problem=(b, h, p, n), sms=132, chunk_size=64, seqlen=l)
         assert config.fused_scan.enabled
     else:
         config = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
