@@ -646,6 +646,19 @@ def shape_default(dims, sms: int, capability=(9, 0), chunk_size=OUR_CHUNK) -> SS
                           seqlen=l)
 
 
+def three_stages(cfg: SSDConfig) -> SSDConfig:
+    """``cfg`` with stages 2 and 3 as kernels of their own: what packed sequences (seq_idx) take
+    where ``cfg`` runs them as one kernel (``SSDConfig.fused_scan``), and the default a study
+    recorded before the one kernel timed."""
+    return replace(cfg, fused_scan=replace(cfg.fused_scan, enabled=False))
+
+
+def three_stage_space(space):
+    """A :func:`config_space` as it was before the one kernel: its "one kernel" factors left out
+    and every point in three stages (:func:`three_stages`)."""
+    return [(f, q, three_stages(c)) for f, q, c in space if not f.startswith("one kernel")]
+
+
 def config_space(dims=None, sms: int | None = None):
     """The searched space of the tiling study: (factor, chunk_size, SSDConfig) triples.
 
@@ -679,7 +692,7 @@ def config_space(dims=None, sms: int | None = None):
     # (which seq_idx takes) are a point, and the stage factors vary them; the one kernel's own
     # factors are its channel block and hint.
     fs = shipped_d.fused_scan
-    d = replace(shipped_d, fused_scan=replace(fs, enabled=False))
+    d = three_stages(shipped_d)
     st = lambda **kw: replace(d, state=replace(d.state, **kw))  # noqa: E731
     sc = lambda **kw: replace(d, scan=replace(d.scan, **kw))  # noqa: E731
     space = [("default", OUR_CHUNK, shipped_d)]
