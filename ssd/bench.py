@@ -858,18 +858,38 @@ def run_study(shapes, space=None, reps=30, stages=False) -> dict:
     return dict(rows=rows)
 
 
+def study_base(rows, shape: str) -> dict:
+    """The row of ``rows`` (one :func:`run_study`) whose stages the stage factors of ``shape``
+    vary: its default, or where the default runs stages 2 and 3 as one kernel, the three stages
+    that kernel replaces (:func:`config_space`'s point "one kernel")."""
+    mine = [r for r in rows if r["shape"] == shape]
+    return next((r for r in mine if r["factor"] == "one kernel"),
+                next(r for r in mine if r["factor"] == "default"))
+
+
+def study_reference(rows, r) -> dict:
+    """The row of ``rows`` (one :func:`run_study`) that point ``r`` is read against: for a stage
+    factor :func:`study_base`; for the default, the chunk sizes and the one kernel's own factors
+    the default that ships."""
+    if r["factor"] in ("default", "chunk size") or r["factor"].startswith("one kernel"):
+        return next(x for x in rows if x["shape"] == r["shape"] and x["factor"] == "default")
+    return study_base(rows, r["shape"])
+
+
 def study_ratios(rows) -> dict:
-    """shape -> [(factor, label, forward time / the shape's "default" point's, {stage: time /
-    the default's})] for the rows of one :func:`run_study` (stage ratios where it timed them):
-    what a screen reads, each point against the default of its own run."""
+    """shape -> [(factor, label, forward time / its reference's, {stage: time / the
+    reference's})] for the rows of one :func:`run_study` (stage ratios where it timed them): what
+    a screen reads, each point against the point of its own run it varies
+    (:func:`study_reference`: the default, or where that is the one kernel, for the stage factors
+    the three stages)."""
     out = {}
     for shape in dict.fromkeys(r["shape"] for r in rows):
-        mine = [r for r in rows if r["shape"] == shape]
-        base = next(r for r in mine if r["factor"] == "default")
-        out[shape] = [(r["factor"], r["label"], r["median_ms"] / base["median_ms"],
-                       {k: v / base["stages"][k] for k, v in r.get("stages", {}).items()
-                        if k in base.get("stages", {})})
-                      for r in mine]
+        out[shape] = []
+        for r in (r for r in rows if r["shape"] == shape):
+            base = study_reference(rows, r)
+            out[shape].append((r["factor"], r["label"], r["median_ms"] / base["median_ms"],
+                               {k: v / base["stages"][k] for k, v in r.get("stages", {}).items()
+                                if k in base.get("stages", {})}))
     return out
 
 
@@ -994,7 +1014,8 @@ def _run(parser, args, shapes, names, caches) -> int:
         payload = run_study(shapes, space=space, reps=args.reps, stages=args.stages)
         payload["settings"] = dict(around=args.around if args.vary else "study", stages=args.stages)
         for shape, points in study_ratios(payload["rows"]).items():
-            print(f"\n{shape}: time / default (forward, graph, L2 flushed"
+            print(f"\n{shape}: time / default, or for the stage factors around a one-kernel default /"
+                  " its three stages (forward, graph, L2 flushed"
                   + ("; each stage alone, eager)" if args.stages else ")"))
             for factor, label, fwd, st in points:
                 print(f"  {fwd:6.3f}  " + "".join(f"{k} {v:.3f}  " for k, v in st.items())

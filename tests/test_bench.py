@@ -392,6 +392,15 @@ def test_study_ratios_set_each_point_against_its_runs_default():
     assert got["b"] == [("default", "default", 1.0, {}), ("y", "y", 3.0, {})]
 
 
+def test_study_ratios_read_stage_factors_around_a_one_kernel_default_against_its_three_stages():
+    row = lambda factor, ms: dict(shape="a", factor=factor, label=factor, median_ms=ms)  # noqa: E731
+    rows = [row("default", 1.0), row("chunk size", 2.0), row("one kernel", 1.25),
+            row("one kernel occupancy", 1.5), row("scan occupancy", 1.0)]
+    assert [fwd for _, _, fwd, _ in bench.study_ratios(rows)["a"]] == [1.0, 2.0, 1.25, 1.5, 0.8]
+    assert bench.study_reference(rows, rows[4]) is rows[2]
+    assert bench.study_reference(rows, rows[3]) is rows[0]
+
+
 def test_stages_and_around_are_study_options(capsys):
     with pytest.raises(SystemExit):
         bench.main(["--suite", "models", "--stages"])
