@@ -62,7 +62,7 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # command's time: the GPU tests run in one process per CPU core (pytest-xdist) because compiling
 # the kernel variants they use dominates; the repetition counts and the prefill grid (8-layer
 # stacks, the quick grid) are the ones the recorded results/h200 files were made with, so a run
-# here is comparable with them line for line (python -m ssd.endtoend without options sweeps the
+# here is comparable with them line for line (python -m ssd.tools.endtoend without options sweeps the
 # full grid at the published depths). The layer calls our SSD at 64, its fastest chunk size on
 # four of the five models shapes (results/h200/models.json; the suites time ours, like mamba_ssm,
 # at 64, 128 and 256 and count its fastest), and mamba_ssm's at the layer's 256, its fastest on all
@@ -72,17 +72,17 @@ gpu: gpu-check gpu-bench gpu-study gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
 	$(GPU_PYTHON) -m pytest -m gpu -n auto tests/
-	$(GPU_PYTHON) -m ssd.bench --suite first-call
+	$(GPU_PYTHON) -m ssd.tools.bench --suite first-call
 gpu-bench:
-	$(GPU_PYTHON) -m ssd.bench --suite models --reps 30
-	$(GPU_PYTHON) -m ssd.bench --suite serving --reps 30
-	$(GPU_PYTHON) -m ssd.bench --suite seqlen --reps 30 --quick
+	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30
+	$(GPU_PYTHON) -m ssd.tools.bench --suite serving --reps 30
+	$(GPU_PYTHON) -m ssd.tools.bench --suite seqlen --reps 30 --quick
 gpu-study:
-	$(GPU_PYTHON) -m ssd.bench --suite study --reps 20
-	$(GPU_PYTHON) -m ssd.endtoend --only share --reps 10 --chunk-size cutile=64
-	$(GPU_PYTHON) -m ssd.endtoend --only prefill --quick --layers 8 --prefill-reps 5 --chunk-size cutile=64
+	$(GPU_PYTHON) -m ssd.tools.bench --suite study --reps 20
+	$(GPU_PYTHON) -m ssd.tools.endtoend --only share --reps 10 --chunk-size cutile=64
+	$(GPU_PYTHON) -m ssd.tools.endtoend --only prefill --quick --layers 8 --prefill-reps 5 --chunk-size cutile=64
 gpu-results:
-	$(GPU_PYTHON) -m ssd.notebooks '0[4-9]*.ipynb' '1[0-9]*.ipynb'
+	$(GPU_PYTHON) -m ssd.book.run '0[4-9]*.ipynb' '1[0-9]*.ipynb'
 
 # make gpu-tilegym: TileGym's tuned mode beside ours, one process per models shape, each written
 # to results/<gpu>/tilegym_tuned/<shape>.json with TileGym's chosen configurations. Not part of
@@ -90,9 +90,9 @@ gpu-results:
 # in first_call_s, never in the steady-state times).
 TILEGYM_SHAPES ?= 2.7b 130m long-16k small-state codestral-7b
 gpu-tilegym:
-	gpu=$$($(GPU_PYTHON) -c 'from ssd.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
+	gpu=$$($(GPU_PYTHON) -c 'from ssd.tools.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
 	for s in $(TILEGYM_SHAPES); do \
-	  $(GPU_PYTHON) -m ssd.bench --suite models --shapes $$s --impl ssd --impl tilegym_tuned --quick \
+	  $(GPU_PYTHON) -m ssd.tools.bench --suite models --shapes $$s --impl ssd --impl tilegym_tuned --quick \
 	    --reps 30 --out results/$$gpu/tilegym_tuned/$$s.json || exit 1; \
 	done
 
@@ -103,8 +103,8 @@ gpu-tilegym:
 # results/<gpu>/tilegym_replayed.json (records say tuning="replayed"; the tuning time stays in the
 # searched files). The benchmark refuses to replay a run of another TileGym version: tune again.
 gpu-tilegym-replay:
-	gpu=$$($(GPU_PYTHON) -c 'from ssd.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
-	$(GPU_PYTHON) -m ssd.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 \
+	gpu=$$($(GPU_PYTHON) -c 'from ssd.tools.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
+	$(GPU_PYTHON) -m ssd.tools.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 \
 	  --tilegym-replay results/$$gpu/tilegym_tuned --out results/$$gpu/tilegym_replayed.json
 
 clean:

@@ -5,9 +5,9 @@
 * ``ssd.mamba_chunk_scan_combined``  the cuTile forward (needs an NVIDIA GPU, torch and
   cuda-tile); imported lazily so that the CPU chapters need neither.
 * ``ssd.wait_tuned``  wait for tuned kernels still compiling in the background (a first call
-  runs a quick build of chunk_scan meanwhile; see ``ssd._tiered``).
-* stage kernels: ``ssd.chunk_cumsum``, ``ssd.chunk_state``, ``ssd.state_passing``,
-  ``ssd.chunk_scan``; tile sizes in ``ssd.config``.
+  runs a quick build of chunk_scan meanwhile; see ``ssd.launch``).
+* stage kernels: ``ssd.kernels.chunk_cumsum``, ``ssd.kernels.chunk_state``, ``ssd.kernels.state_passing``,
+  ``ssd.kernels.chunk_scan``; tile sizes in ``ssd.config``.
 """
 __version__ = "0.1.0"
 
@@ -16,7 +16,7 @@ _LAZY = {
     "forward_stages": "ssd.api",
     "SSDConfig": "ssd.config",
     "default_config": "ssd.config",
-    "wait_tuned": "ssd._tiered",
+    "wait_tuned": "ssd.launch",
 }
 
 

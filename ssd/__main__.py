@@ -7,7 +7,7 @@ and sets `func(args) -> exit code`; add a new one to COMMANDS.
 import argparse
 import sys
 
-from ssd import doctor
+from ssd.tools import doctor
 
 COMMANDS = (doctor,)
 

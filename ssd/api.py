@@ -6,7 +6,7 @@ three cuTile stages on the inputs' device and current stream::
     chunk_cumsum  ->  chunk_state + state_passing (fused by default)  ->  chunk_scan
 
 or, where the default finds it fills the GPU (:func:`ssd.config.fused_scan_fills`), the last
-three in one kernel (:mod:`ssd.fused_scan`)::
+three in one kernel (:mod:`ssd.kernels.fused_scan`)::
 
     chunk_cumsum  ->  chunk_state + state_passing + chunk_scan
 
@@ -21,11 +21,11 @@ import math
 
 import torch
 
-from . import chunk_cumsum as _cumsum
-from . import chunk_scan as _scan
-from . import chunk_state as _state
-from . import fused_scan as _fused_scan
-from . import state_passing as _passing
+from .kernels import chunk_cumsum as _cumsum
+from .kernels import chunk_scan as _scan
+from .kernels import chunk_state as _state
+from .kernels import fused_scan as _fused_scan
+from .kernels import state_passing as _passing
 from .config import SSDConfig, default_config
 from .reference import check_shapes
 
@@ -136,7 +136,7 @@ def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig
 
 
 def takes_fused_scan(config: SSDConfig, seq_idx) -> bool:
-    """Whether the forward runs stages 2 and 3 as one kernel (:mod:`ssd.fused_scan`): where the
+    """Whether the forward runs stages 2 and 3 as one kernel (:mod:`ssd.kernels.fused_scan`): where the
     config enables it, except for packed sequences (seq_idx), which it does not cover."""
     return config.fused_scan.enabled and seq_idx is None
 
@@ -158,7 +158,7 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         (:func:`takes_fused_scan`), which stores no entering state: states (b, c, h, p, n) fp32 (split
         stage 2 only); prev_states (b, c, h, p, n), with ``StateConfig.groups > 1`` from each
         group's start, then also chunk_decay (b, h, c, DECAY_ROW) fp32 and group_enter (b, G, h, p, n)
-        (:class:`ssd.state_passing.Groups`).
+        (:class:`ssd.kernels.state_passing.Groups`).
     """
     config = resolve_config(config, chunk_size, x, B)
     out = outputs or {}
@@ -226,7 +226,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
 
     The first call for a new shape or configuration compiles its kernels (seconds). chunk_scan's
     tuned build then compiles in a child process while a quick build computes the same values
-    (:mod:`ssd._tiered`); call :func:`ssd.wait_tuned` before timing this function.
+    (:mod:`ssd.launch`); call :func:`ssd.wait_tuned` before timing this function.
     """
     validate(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
              seq_idx=seq_idx, dt_limit=dt_limit, check_values=check_values)

@@ -151,7 +151,7 @@ class ScanConfig:
 
 @dataclass(frozen=True)
 class FusedScanConfig:
-    """Stages 2 and 3 in one kernel (:mod:`ssd.fused_scan`): where ``enabled``, one block per
+    """Stages 2 and 3 in one kernel (:mod:`ssd.kernels.fused_scan`): where ``enabled``, one block per
     (batch, head, ``block_p`` channels) walks its sequence's chunks and writes their output rows
     from the entering state it holds, which is never stored; ``state`` and ``scan`` are then
     unused (except with seq_idx, which takes the three stages). ``occupancy`` as in
@@ -294,7 +294,7 @@ SMALL_STATE_AT = {128: dict(occupancy=2), 256: dict(whole_chunk=False, shared=Fa
 # MIN_STAGE2_BLOCKS_PER_SM blocks a SM), walk whole states (ONE_WAVE_STATE) in GROUPED_WALK groups
 # of chunks at once instead (StateConfig.groups), if that many groups of whole states fit in one
 # wave of resident blocks. Each group walks from a zero state; chunk_scan completes the entering
-# states with each group's (ssd.state_passing.Groups). Measured on long-16k (1 x 80 heads;
+# states with each group's (ssd.kernels.state_passing.Groups). Measured on long-16k (1 x 80 heads;
 # results/h200/screening/stop33/groups.json): four groups of whole states, 320 blocks of 64
 # chunks, stage 2 0.676x and the forward 0.917x the narrow slices' (chunk_scan 1.26x: the
 # completing load); two groups 1.128x, eight (two waves) 0.966x; on shapes with several

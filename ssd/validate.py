@@ -107,7 +107,7 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="fl
     if split:
         out["states"] = torch.full((b, c, h, p, n), dtype=torch.float32, **nan)
     if groups > 1:
-        from .state_passing import DECAY_ROW
+        from .kernels.state_passing import DECAY_ROW
 
         out["chunk_decay"] = torch.full((b, h, c, DECAY_ROW), dtype=torch.float32, **nan)
         out["group_enter"] = torch.full((b, groups, h, p, n), dtype=getattr(torch, state_dtype), **nan)
@@ -130,7 +130,7 @@ def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config) -> dict:
     import torch
 
     from .api import forward_stages, takes_fused_scan
-    from .state_passing import chunks_per_group
+    from .kernels.state_passing import chunks_per_group
 
     if takes_fused_scan(config, inputs.get("seq_idx")):
         outputs = poisoned_outputs(spec, dtype, split=False, entering=False)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-# The GPU tests check the tuned kernels: chunk_scan's quick first-call build (ssd._tiered) would
+# The GPU tests check the tuned kernels: chunk_scan's quick first-call build (ssd.launch) would
 # stand in for them on each kernel's first launch. One test turns it back on and checks it.
 os.environ.setdefault("SSD_QUICK_FIRST_CALL", "0")
 
@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def git(tmp_path):
     """A new git repository in ``tmp_path`` (branch main): ``git(*args)`` runs git there and
-    returns its stripped stdout (the tests of ssd.nbutil's revision comparisons)."""
+    returns its stripped stdout (the tests of ssd.book.recordings's revision comparisons)."""
     import subprocess
 
     def run(*args):
@@ -107,7 +107,7 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session, exitstatus):
     if not _COLLECTED or hasattr(session.config, "workerinput"):  # xdist workers: controller writes
         return
-    from ssd.env import environment, gpu_slug, write_json
+    from ssd.tools.env import environment, gpu_slug, write_json
 
     env = environment()
     rows = [r for r in _COLLECTED if r.get("record") != "mixer"]

@@ -1,6 +1,6 @@
 """Every cuTile kernel compiles ahead of time for sm_80, sm_90 and sm_100, on the CPU.
 
-Runs the real stage launchers on CPU tensors under ``ssd._launch.capture()`` and exports each
+Runs the real stage launchers on CPU tensors under ``ssd.launch.capture()`` and exports each
 recorded launch with ``cuda.tile.compilation.export_kernel`` (needs ``cuda-tile[tileiras]``,
 no GPU and no driver). A kernel that no longer compiles for one target fails here, in CI.
 """
@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("cuda.tile")
 
-from ssd import aot  # noqa: E402
+from ssd.tools import aot  # noqa: E402
 
 KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
            "chunk_scan_kernel", "fused_scan_kernel"}
@@ -115,8 +115,8 @@ def test_chunk64_tile_does_not_spill_where_it_ships():
 # imported), so that no earlier compile in this process or on disk can answer for it.
 _COMPILE_SECONDS = """
 import sys, time
-from ssd import aot
-from ssd.bench import shape_default
+from ssd.tools import aot
+from ssd.tools.bench import shape_default
 q = int(sys.argv[1]); dims = tuple(map(int, sys.argv[2:8]))
 config = shape_default(dims, 132, chunk_size=q)
 records = aot.capture_forward("bfloat16", "layer", True, chunk_size=q, config=config, dims=dims)
@@ -265,7 +265,7 @@ def test_stage2_walk_issues_no_consumer_async_copy(chunk_size):
     """The fused walk's per-chunk inputs reach it as TMA loads the producer warp issues ahead. A
     one-element tile compiles for sm_90 to a cp.async (LDGSTS) that the consumer warps issue and
     wait out themselves at every chunk: dA_cumsum[last] loaded that way cost the H200 18-24 % of
-    stage 2 (ssd.chunk_state.chunk_end_decay; results/h200/screening/stop21/tail-row.json).
+    stage 2 (ssd.kernels.chunk_state.chunk_end_decay; results/h200/screening/stop21/tail-row.json).
     The 2.7b shape's pattern, as the layer calls it (D, dt_bias, softplus)."""
     records = aot.capture_forward("bfloat16", "layer", True, chunk_size=chunk_size,
                                   dims=(4, 8 * chunk_size, 16, 64, 128, 1))
@@ -307,7 +307,7 @@ def test_resource_points_are_the_study_spaces():
     """The points --resources records: the generic space as it is, then every point of each
     study shape's own space at the given SM count whose label the list does not hold yet, so a
     label names one row of the recording and every point the study timed has its kernels."""
-    from ssd import bench
+    from ssd.tools import bench
 
     points = aot.resource_points(132)
     generic = bench.config_space()
@@ -327,16 +327,16 @@ def test_resource_points_are_the_study_spaces():
 
 def test_recorded_resources_are_what_this_compiler_makes():
     """results/compile/sm_90_resources.json (read by the layout and peers chapters) holds the rows
-    of :func:`ssd.aot.resource_points` at its recorded SM count, and matches a fresh compile of its
+    of :func:`ssd.tools.aot.resource_points` at its recorded SM count, and matches a fresh compile of its
     first point, its most-spilling point and the first point of a study shape's own space (2.7b's
-    one-wave default). Different tileiras: re-record it with ``python -m ssd.aot --resources``."""
+    one-wave default). Different tileiras: re-record it with ``python -m ssd.tools.aot --resources``."""
     import json
 
-    from ssd import bench, doctor
+    from ssd.tools import bench, doctor
 
     recorded = json.loads(aot.RESOURCES.read_text())
     if recorded["environment"]["tileiras"] != doctor.locate_toolchain().tileiras.version:
-        pytest.skip("recorded with another tileiras; re-record with python -m ssd.aot --resources")
+        pytest.skip("recorded with another tileiras; re-record with python -m ssd.tools.aot --resources")
     points = aot.resource_points(recorded["study_sms"])
     label = lambda p: bench.config_label(p[2], p[3])  # noqa: E731
     assert [(r["space"], r["label"]) for r in recorded["rows"]
@@ -371,10 +371,10 @@ def test_signature_is_the_one_the_gpu_launch_compiled():
     from cuda.tile.compilation import ArrayConstraint
     from cuda.tile.compilation._name_mangling import demangle_kernel_name
 
-    from ssd import _launch
+    from ssd import launch
     from ssd.api import forward_stages
     from ssd.config import default_config
-    from ssd.env import ROOT
+    from ssd.tools.env import ROOT
 
     profile = (ROOT / "results/h200/screening/stop12/ncu-2.7b-TN-pers.txt").read_text()
     symbols = {m.group(1): m.group(0) for m in
@@ -382,7 +382,7 @@ def test_signature_is_the_one_the_gpu_launch_compiled():
     assert set(symbols) == {"state_passing_kernel", "chunk_scan_kernel"}
     b, l, h, p, n, g = 4, 4096, 80, 64, 128, 1   # the profiled shape; empty: nothing is read
     bf = torch.bfloat16
-    with _launch.capture() as records:
+    with launch.capture() as records:
         forward_stages(torch.empty(b, l, h, p, dtype=bf), torch.empty(b, l, h, dtype=bf),
                        torch.empty(h), torch.empty(b, l, g, n, dtype=bf),
                        torch.empty(b, l, g, n, dtype=bf), 128, D=torch.empty(h),
@@ -396,7 +396,7 @@ def test_signature_is_the_one_the_gpu_launch_compiled():
         if name not in symbols:
             continue
         params = inspect.signature(record.kernel._pyfunc).parameters
-        launched = [c for p_name, c in zip(params, _launch.signature(record).parameters, strict=True)
+        launched = [c for p_name, c in zip(params, launch.signature(record).parameters, strict=True)
                     if isinstance(c, ArrayConstraint) and p_name not in grouped]
         ran = [c for c in demangle_kernel_name(symbols[name])[1].parameters
                if isinstance(c, ArrayConstraint)]
@@ -413,9 +413,9 @@ def test_kernel_compile_seconds_reads_the_cache(tmp_path):
     import subprocess
     import sys
 
-    from ssd import bench
+    from ssd.tools import bench
 
-    code = ("from ssd import aot\n"
+    code = ("from ssd.tools import aot\n"
             "for r in aot.capture_forward('bfloat16', 'none', True, chunk_size=64,"
             " dims=(1, 80, 2, 16, 16, 1)):\n    aot.export_cubin(r, 'sm_90')")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=aot.RESOURCES.parents[2],
@@ -426,7 +426,7 @@ def test_kernel_compile_seconds_reads_the_cache(tmp_path):
 
 
 def one_kernel_scan(dims=None, features="layer"):
-    """The one-kernel stages 2 and 3 (ssd.fused_scan) as the default takes them at chunk 64, on
+    """The one-kernel stages 2 and 3 (ssd.kernels.fused_scan) as the default takes them at chunk 64, on
     codestral-7b's pattern (the shapes it was measured on: 130m, codestral-7b, small-state), or,
     given other ``dims``, taken by hand."""
     from ssd.config import FusedScanConfig, SSDConfig, default_config

@@ -91,7 +91,7 @@ def test_forward_launches_only_its_three_kernels():
     in eager mode and in a CUDA graph)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ssd import _launch
+    from ssd import launch
     from ssd.api import forward_stages
     from ssd.config import default_config
 
@@ -108,7 +108,7 @@ def test_forward_launches_only_its_three_kernels():
     x = torch.randn(b, l, h, p, dtype=torch.bfloat16)
     B, C = (torch.randn(b, l, 1, n, dtype=torch.bfloat16) for _ in range(2))
     dt, A, D, bias = torch.randn(b, l, h, dtype=torch.bfloat16), -torch.rand(h), *torch.randn(2, h)
-    with _launch.capture() as launches, Ops() as ops:
+    with launch.capture() as launches, Ops() as ops:
         forward_stages(x, dt, A, B, C, 128, D=D, dt_bias=bias, dt_softplus=True,
                        config=default_config((9, 0)))
     assert len(launches) == 3

@@ -2,16 +2,16 @@
 recorded-results plumbing the GPU chapters use, and the results folder names."""
 import json
 import math
-import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 
-from ssd import bench, nbutil
+from ssd.tools import bench
+from ssd.book import recordings
 from ssd.config import (CHUNK64_SCAN, GROUPED_WALK, NARROW_STATE, ONE_WAVE_CHUNK, ONE_WAVE_STATE,
                         SMALL_STATE_AT, SMALL_STATE_SCAN, FusedScanConfig, default_config)
-from ssd.env import gpu_slug
+from ssd.tools.env import gpu_slug
 
 
 def test_floor_by_hand_on_a_tiny_shape():
@@ -124,14 +124,14 @@ def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, at64,
 
 
 def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
-    monkeypatch.setattr(nbutil, "gpu_available", lambda: False)
+    monkeypatch.setattr(recordings, "RESULTS", tmp_path)
+    monkeypatch.setattr(recordings, "gpu_available", lambda: False)
     with pytest.raises(FileNotFoundError, match="no recorded result"):
-        nbutil.live_or_recorded("thing", lambda: {"never": "called"})
+        recordings.live_or_recorded("thing", lambda: {"never": "called"})
     (tmp_path / "h200").mkdir()
     (tmp_path / "h200" / "thing.json").write_text(json.dumps(
         {"value": 3, "environment": {"gpu": "NVIDIA H200", "date": "d", "git_revision": "r"}}))
-    got = nbutil.live_or_recorded("thing", lambda: {"never": "called"})
+    got = recordings.live_or_recorded("thing", lambda: {"never": "called"})
     assert got["value"] == 3 and got["source"] == "recorded"
     assert "No GPU here" in capsys.readouterr().out
 
@@ -142,47 +142,22 @@ def test_a_gpu_machine_reads_its_own_nested_recording_or_the_books(tmp_path, mon
     # the GPU's, so chapter 10 failed on the H200 itself).
     import torch
 
-    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
-    monkeypatch.setattr(nbutil, "gpu_available", lambda: True)
+    monkeypatch.setattr(recordings, "RESULTS", tmp_path)
+    monkeypatch.setattr(recordings, "gpu_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     for gpu, v in (("h200", "book"), ("h100", "own")):
         (tmp_path / gpu / "tilegym_tuned").mkdir(parents=True)
         (tmp_path / gpu / "tilegym_tuned" / "130m.json").write_text(json.dumps({"v": v}))
     (tmp_path / "h200" / "tilegym_tuned" / "2.7b.json").write_text(json.dumps({"v": "book"}))
-    assert nbutil.load_recorded("tilegym_tuned/130m")["v"] == "own"
-    assert nbutil.load_recorded("tilegym_tuned/2.7b")["v"] == "book"
-
-
-def test_recorded_at_a_revision_falls_back_to_the_kept_run(tmp_path, monkeypatch):
-    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
-    monkeypatch.setattr(nbutil, "gpu_available", lambda: False)
-    (tmp_path / "h200" / "previous").mkdir(parents=True)
-    run = lambda rev, v: json.dumps({"v": v, "environment": {"git_revision": rev}})  # noqa: E731
-    (tmp_path / "h200" / "models.json").write_text(run("c7c86d74b294", "now"))
-    (tmp_path / "h200" / "previous" / "models-e565a6c.json").write_text(run("e565a6cf8684", "then"))
-    assert nbutil.load_recorded_at("models", "c7c86d74b294")["v"] == "now"
-    assert nbutil.load_recorded_at("models", "e565a6cf8684")["v"] == "then"
-    with pytest.raises(FileNotFoundError, match="no run kept under previous/ is of code the same"):
-        nbutil.load_recorded_at("models", "0123456789ab")
-    # a kept run of another revision whose measured code is the same as at the one asked for
-    monkeypatch.setattr(nbutil, "same_code", lambda a, b, paths: {a, b} <= {"e565a6cf8684", "fa495680f114"}
-                        or a == b)
-    assert nbutil.load_recorded_at("models", "fa495680f114")["v"] == "then"
-    # a later revision whose measured code is the same (only chapters changed) reads the current run
-    monkeypatch.setattr(nbutil, "same_code", lambda *revs, paths: len(set(revs)) == 1 or "0123456789ab" in revs)
-    assert nbutil.load_recorded_at("models", "0123456789ab")["v"] == "now"
-    # ... and the code compared is the one the caller names
-    monkeypatch.setattr(nbutil, "same_code", lambda *revs, paths: paths == nbutil.KERNEL_CODE)
-    assert nbutil.load_recorded_at("models", "0123456789ab", paths=nbutil.KERNEL_CODE)["v"] == "now"
-    with pytest.raises(FileNotFoundError):
-        nbutil.load_recorded_at("models", "0123456789ab")
+    assert recordings.load_recorded("tilegym_tuned/130m")["v"] == "own"
+    assert recordings.load_recorded("tilegym_tuned/2.7b")["v"] == "book"
 
 
 def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch):
-    monkeypatch.setattr(nbutil, "RESULTS", tmp_path)
-    monkeypatch.setattr(nbutil, "gpu_available", lambda: True)
-    monkeypatch.setattr(nbutil, "environment", lambda: {"gpu": "NVIDIA H100 80GB HBM3"})
-    got = nbutil.live_or_recorded("thing", lambda: {"value": 7})
+    monkeypatch.setattr(recordings, "RESULTS", tmp_path)
+    monkeypatch.setattr(recordings, "gpu_available", lambda: True)
+    monkeypatch.setattr(recordings, "environment", lambda: {"gpu": "NVIDIA H100 80GB HBM3"})
+    got = recordings.live_or_recorded("thing", lambda: {"value": 7})
     assert got["source"] == "live"
     saved = json.loads((tmp_path / "h100" / "thing.json").read_text())
     assert saved == {"value": 7, "environment": {"gpu": "NVIDIA H100 80GB HBM3"}}
@@ -191,7 +166,7 @@ def test_live_measurement_is_recorded_with_its_environment(tmp_path, monkeypatch
 def test_glue_refuses_strings_that_would_render_with_quotes():
     for text in ("each shape's fastest", "`chunk_scan`"):
         with pytest.raises(ValueError, match="plain text"):
-            nbutil.glue("name", text, display=False)
+            recordings.glue("name", text, display=False)
 
 
 def test_glue_stores_numpy_scalars_as_numbers(monkeypatch):
@@ -201,122 +176,9 @@ def test_glue_stores_numpy_scalars_as_numbers(monkeypatch):
 
     shown = []
     monkeypatch.setattr("IPython.display.display", lambda bundle, **kw: shown.append(bundle))
-    nbutil.glue("err", np.float64(1.5e-16), display=False)
-    nbutil.glue("n", np.int64(3), display=False)
+    recordings.glue("err", np.float64(1.5e-16), display=False)
+    recordings.glue("n", np.int64(3), display=False)
     assert [b["application/papermill.record/text/plain"] for b in shown] == ["1.5e-16", "3"]
-
-
-def test_code_digests_answer_same_code_without_git(tmp_path, monkeypatch, git):
-    revs = []
-    for files in ({"ssd/k.py": "kernel = 1\n"},
-                  {"ssd/nbutil.py": "renders chapters\n"},                     # not measured
-                  {"ssd/k.py": '"""A kernel."""\n# why\nkernel = (\n    1)\n'},  # layout only
-                  {"ssd/k.py": "kernel = 2\n"},                                # a kernel changed
-                  {"ssd/table.csv": "1,2\n"}):                                 # not Python
-        for name, text in files.items():
-            (tmp_path / name).parent.mkdir(exist_ok=True)
-            (tmp_path / name).write_text(text)
-        git("add", "-A")
-        git("commit", "-qm", "step")
-        revs.append(git("rev-parse", "--short=12", "HEAD"))
-    a, b, c, d, e = revs
-    digest = {r: nbutil.code_digest(r, nbutil.KERNEL_CODE, tmp_path) for r in revs}
-    assert digest[a] == digest[b] == digest[c] != digest[d] != digest[e]
-    for x, y in ((a, c), (a, d), (d, e)):   # the digests agree with git's answer
-        assert (digest[x] == digest[y]) is nbutil.same_code(x, y, paths=nbutil.KERNEL_CODE, root=tmp_path)
-    # Without git (a GPU machine given the working tree only), same_code reads the table.
-    table = tmp_path / "code_digests.json"
-    table.write_text(json.dumps({"digests": {"kernel": {a: digest[a], c: digest[c], d: digest[d]}}}))
-    monkeypatch.setattr(nbutil, "CODE_DIGESTS", table)
-    nowhere = tmp_path / "no-git-here"
-    same = lambda *rs, paths=nbutil.KERNEL_CODE: nbutil.same_code(*rs, paths=paths, root=nowhere)  # noqa: E731
-    assert same(a, c) is True and same(a[:7], c) is True and same(a, d) is False
-    assert same(a, b) is None                                   # b has no digest
-    assert same(a, c, paths=nbutil.MEASURED_CODE) is None       # no digests for those paths
-    assert same(a, c + "-dirty") is None
-
-
-def test_code_digests_take_the_revision_a_call_is_about_to_record(tmp_path, monkeypatch):
-    # python -m ssd.nbutil REV: the table also holds REV, which no recording names yet, so that a
-    # chapter executed in the GPU call that records at REV can compare its recordings.
-    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=nbutil.ROOT,
-                          capture_output=True, text=True)
-    if head.returncode != 0:
-        pytest.skip("no git history here")
-    rev = head.stdout.strip()
-    monkeypatch.setattr(nbutil, "recorded_revisions", lambda: [])
-    monkeypatch.setattr(nbutil, "CODE_DIGESTS", tmp_path / "code_digests.json")
-    table = nbutil.write_code_digests(extra=[rev])
-    assert set(table["digests"]["kernel"]) == {rev}
-    assert table["digests"]["kernel"][rev] == nbutil.code_digest(rev, nbutil.KERNEL_CODE)
-    with pytest.raises(ValueError, match="not a commit"):
-        nbutil.write_code_digests(extra=["0" * 12])
-
-
-def test_code_digests_cover_the_recorded_revisions():
-    # results/code_digests.json (python -m ssd.nbutil) has every revision of a recording that
-    # this checkout's git knows, so that a chapter executed without git history (on the GPU
-    # machine) can still tell whether two recordings time the same code.
-    known = [r for r in nbutil.recorded_revisions() if nbutil.known_revision(r)]
-    if not known:
-        pytest.skip("no git history here")
-    table = json.loads(nbutil.CODE_DIGESTS.read_text())
-    for paths, key in nbutil.DIGEST_KEYS.items():
-        missing = sorted(set(known) - set(table["digests"][key]))
-        assert not missing, f"refresh with python -m ssd.nbutil: {key} lacks {missing}"
-        assert table["paths"][key] == list(paths)
-    now = json.loads(nbutil.result_path("models").read_text())["environment"]["git_revision"]
-    if table["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}":   # ast.dump's format
-        assert table["digests"]["kernel"][now] == nbutil.code_digest(now, nbutil.KERNEL_CODE)
-
-
-def test_same_code_compares_the_package_between_recorded_revisions(tmp_path, git):
-    (tmp_path / "ssd").mkdir()
-    (tmp_path / "ssd" / "k.py").write_text("kernel = 1\n")
-    git("add", "-A")
-    git("commit", "-qm", "a")
-    a = git("rev-parse", "--short=12", "HEAD")
-    (tmp_path / "notes.md").write_text("prose only\n")
-    (tmp_path / "ssd" / "nbutil.py").write_text("renders chapters\n")  # not measured code
-    git("add", "-A")
-    git("commit", "-qm", "b")
-    b = git("rev-parse", "--short=12", "HEAD")
-    (tmp_path / "ssd" / "k.py").write_text("kernel = 2\n")  # a kernel changed
-    git("add", "-A")
-    git("commit", "-qm", "c")
-    c = git("rev-parse", "--short=12", "HEAD")
-    (tmp_path / "ssd" / "k.py").write_text('"""A kernel."""\n# why it is 2\nkernel = (\n    2)\n')
-    git("add", "-A")
-    git("commit", "-qm", "d: a docstring, a comment and layout only")
-    d = git("rev-parse", "--short=12", "HEAD")
-    (tmp_path / "ssd" / "table.csv").write_text("1,2\n")  # not Python: any change counts
-    git("add", "-A")
-    git("commit", "-qm", "e")
-    e = git("rev-parse", "--short=12", "HEAD")
-    same = lambda *revs, **kw: nbutil.same_code(*revs, root=tmp_path, **kw)  # noqa: E731
-    assert same(c, d) is True and same(a, d) is False and same(d, e) is False
-    assert same(a, b) is True and same(a, a, b) is True
-    assert same(a, b, paths=("ssd",)) is False
-    assert same(a, c) is False and same(a, b, c) is False
-    assert same(a, c, paths=("notes.md",)) is False and same(b, c, paths=("notes.md",)) is True
-    assert same(a, "0123456789ab") is None and same(a, b + "-dirty") is None and same(a, None) is None
-    assert nbutil.same_code(a, b, root=tmp_path / "ssd" / "nowhere") is None
-    assert [nbutil.same_code_word(r) for r in (True, False, None)] == [
-        "yes (git: at most comments and docstrings differ)", "NO", "not checkable here (no git history)"]
-    # one function of a file: the same where only code around it (or its docstring) changed
-    (tmp_path / "ssd" / "h.py").write_text("def timer():\n    return 1\n\n\ndef other():\n    return 1\n")
-    git("add", "-A")
-    git("commit", "-qm", "f")
-    f = git("rev-parse", "--short=12", "HEAD")
-    (tmp_path / "ssd" / "h.py").write_text('def timer():\n    """Times."""\n    return 1\n\n\n'
-                                           'def other():\n    return 2\n')
-    git("add", "-A")
-    git("commit", "-qm", "g")
-    g = git("rev-parse", "--short=12", "HEAD")
-    fn = lambda name, *revs: nbutil.same_function("ssd/h.py", name, *revs, root=tmp_path)  # noqa: E731
-    assert fn("timer", f, g) is True and fn("other", f, g) is False
-    assert fn("timer", a, f) is False  # the file is absent at a
-    assert fn("timer", f, "0123456789ab") is None and fn("gone", f) is False
 
 
 @pytest.mark.parametrize("name,slug", [("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100"),
@@ -427,7 +289,7 @@ def test_retune_mamba_ssm_forgets_only_mamba_ssms_tuned_configurations(monkeypat
     import sys
     import types
 
-    from ssd import peers
+    from ssd.tools import peers
 
     class Autotuner:
         def __init__(self, cache):
@@ -463,7 +325,7 @@ def test_main_rejects_shapes_outside_the_suite(argv, message, capsys):
 
 
 def test_fresh_kernel_caches_unless_the_caller_set_one(monkeypatch):
-    """python -m ssd.bench gives cuTile and Triton empty caches of its own, so that a first call
+    """python -m ssd.tools.bench gives cuTile and Triton empty caches of its own, so that a first call
     compiles even on a machine that compiled the same kernels before; a cache the caller named
     is kept, and the record says which."""
     import contextlib
@@ -490,7 +352,7 @@ def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
     """--out arrives as a str; a stop-9 device run lost its results to `str.parent`."""
     import json
 
-    from ssd.env import write_json
+    from ssd.tools.env import write_json
 
     path = write_json(str(tmp_path / "sub" / "x.json"), {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1}
@@ -499,7 +361,7 @@ def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
 def test_write_json_puts_one_record_on_a_line_and_reads_back_the_same(tmp_path):
     import json
 
-    from ssd.env import write_json
+    from ssd.tools.env import write_json
 
     payload = {"records": [{"shape": "a", "dims": [1, 2], "ms": 0.5},
                            {"shape": "b", "dims": [3, 4], "ms": 1.5, "config": {"q": 64}}],
@@ -517,7 +379,7 @@ def test_tilegym_configs_reads_the_tune_caches(monkeypatch):
     import sys
     import types
 
-    from ssd import peers
+    from ssd.tools import peers
 
     monkeypatch.delitem(sys.modules, "tilegym.ops.cutile.mamba2", raising=False)
     assert peers.tilegym_configs() == {}
@@ -534,7 +396,7 @@ def test_tilegym_replaying_takes_the_recorded_configuration_instead_of_searching
     import sys
     import types
 
-    from ssd import peers
+    from ssd.tools import peers
 
     ns = types.SimpleNamespace
     mamba2 = types.ModuleType("tilegym.ops.cutile.mamba2")
@@ -556,7 +418,7 @@ def test_tilegym_replaying_takes_the_recorded_configuration_instead_of_searching
 def test_tilegym_replay_source_reads_a_recorded_tuning_run(tmp_path):
     """What --tilegym-replay takes from make gpu-tilegym's file: the chosen configurations and
     the run they come from, its tuning time among them."""
-    folder = nbutil.RESULTS / "h200" / "tilegym_tuned"
+    folder = recordings.RESULTS / "h200" / "tilegym_tuned"
     run = json.loads((folder / "2.7b.json").read_text())
     got = bench.tilegym_replay_source(folder, "2.7b")
     assert got["configs"] == run["tilegym_configs"]["2.7b"] and got["configs"]
@@ -588,8 +450,8 @@ def test_first_call_shapes_reach_both_last_chunks():
 
 
 def test_worst_gate_result_is_a_failure_before_any_pass():
-    """bench.worst: the first call's and the tuned build's gates (ssd._tiered) judged together."""
-    from ssd.bench import worst
+    """bench.worst: the first call's and the tuned build's gates (ssd.launch) judged together."""
+    from ssd.tools.bench import worst
 
     assert worst(1e-3, 2e-3) == 2e-3
     assert worst(1e-3, -0.5) == -0.5 and worst(-0.5, 1e-3) == -0.5

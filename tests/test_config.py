@@ -54,11 +54,12 @@ def test_entering_state_dtype(state_dtype, input_dtype, stored):
 def test_split_state_passing_needs_a_resolved_state_dtype():
     torch = pytest.importorskip("torch")
     pytest.importorskip("cuda.tile")
-    from ssd import _launch, state_passing
+    from ssd import launch
+    from ssd.kernels import state_passing
 
     states = torch.zeros(1, 2, 2, 64, 128)
     dA = torch.zeros(1, 2, 2, 64)
-    with _launch.capture() as records:
+    with launch.capture() as records:
         with pytest.raises(ValueError, match="state_dtype"):
             state_passing.state_passing(states, dA, config=StateConfig(fused=False))
         state_passing.state_passing(states, dA, config=StateConfig(fused=False, state_dtype="float32"))
@@ -73,7 +74,7 @@ def test_state_slices_match_the_stage2_launch_grids():
     """StateConfig.slices is the one formula for the stage-2 grids; the launchers use it."""
     import torch
 
-    from ssd import _launch
+    from ssd import launch
     from ssd.api import forward_stages
 
     assert StateConfig(block_p=64, block_n=32).slices(64, 128) == (32, 4, 4)
@@ -82,7 +83,7 @@ def test_state_slices_match_the_stage2_launch_grids():
     b, l, h, p, n = 2, 200, 4, 48, 24
     for fused in (True, False):
         cfg = SSDConfig(state=StateConfig(block_p=16, block_n=8, fused=fused))
-        with _launch.capture() as recs:
+        with launch.capture() as recs:
             forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
                            torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 64, config=cfg)
         grids = {r.kernel._pyfunc.__name__: r.grid for r in recs}
@@ -245,11 +246,11 @@ def test_resolve_config_passes_the_chunk_size(monkeypatch):
 def test_persistent_chunk_scan_launches_one_axis_of_blocks():
     import torch
 
-    from ssd import _launch
+    from ssd import launch
     from ssd.api import forward_stages
 
     b, l, h, p, n = 1, 256, 4, 64, 128
-    with _launch.capture() as recs:
+    with launch.capture() as recs:
         forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
                        torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128,
                        config=SSDConfig(scan=ScanConfig(persistent=True)))
@@ -269,12 +270,12 @@ def test_whole_chunk_tiles_cover_every_row_block_once(whole_chunk, shared, seqle
     constants, WHOLE_CHUNK and SHARED: tiles loaded once only where every chunk is full."""
     import torch
 
-    from ssd import _launch
+    from ssd import launch
     from ssd.api import forward_stages
 
     b, l, h, p, n = 1, seqlen, 4, 64, 128
     config = SSDConfig(scan=ScanConfig(whole_chunk=whole_chunk, shared=shared, occupancy=32))
-    with _launch.capture() as recs:
+    with launch.capture() as recs:
         forward_stages(torch.randn(b, l, h, p), torch.rand(b, l, h), -torch.rand(h),
                        torch.randn(b, l, 1, n), torch.randn(b, l, 1, n), 128, config=config)
     scan = next(r for r in recs if r.kernel._pyfunc.__name__ == "chunk_scan_kernel")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ssd import doctor
-from ssd.doctor import FAIL, OK, WARN, CompileResult, Facts, Tool, Toolchain
+from ssd.tools import doctor
+from ssd.tools.doctor import FAIL, OK, WARN, CompileResult, Facts, Tool, Toolchain
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""ssd.endtoend on the CPU: Amdahl's law, the timer switch, and the share / prefill / sweep
+"""ssd.tools.endtoend on the CPU: Amdahl's law, the timer switch, and the share / prefill / sweep
 pipeline end to end with the torch backend on tiny sizes (times are perf_counter wall times
 here, so only their bookkeeping is checked, never their values)."""
 import json
@@ -8,11 +8,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import ssd.mamba2 as mamba2  # noqa: E402
-from ssd import endtoend  # noqa: E402
-from ssd.endtoend import (GateFailed, amdahl, amdahl_rows, cpu_time, gate,  # noqa: E402
+import ssd.layer as mamba2  # noqa: E402
+from ssd.tools import endtoend  # noqa: E402
+from ssd.tools.endtoend import (GateFailed, amdahl, amdahl_rows, cpu_time, gate,  # noqa: E402
                           main, merge, prefill, run, ssd_share, timer)
-from ssd.mamba2 import Mamba2Config, Mamba2Mixer, Mamba2Stack  # noqa: E402
+from ssd.layer import Mamba2Config, Mamba2Mixer, Mamba2Stack  # noqa: E402
 
 TINY = Mamba2Config(d_model=32, d_state=8, headdim=16, ngroups=2, chunk_size=16, dtype="float32")
 
@@ -81,9 +81,9 @@ def test_timer_uses_cuda_events_only_on_cuda(monkeypatch):
         seen.append((mode, l2, reps, warmup))
         return dict(median_ms=1.0, q20_ms=0.9, q80_ms=1.1, min_ms=0.8, reps=reps)
 
-    import ssd.bench
+    import ssd.tools.bench
 
-    monkeypatch.setattr(ssd.bench, "time_fn", fake_time_fn)
+    monkeypatch.setattr(ssd.tools.bench, "time_fn", fake_time_fn)
     cpu = timer(lambda: None, torch.device("cpu"), reps=3)
     assert cpu["timer"].startswith("perf_counter") and seen == []
     gpu = timer(lambda: None, torch.device("cuda"), mode="eager", l2="warm", reps=4, warmup=1)

@@ -58,7 +58,7 @@ GROUPS = SSDConfig(state=StateConfig(groups=3))
 GROUPS64 = SSDConfig(state=StateConfig(groups=4, **ONE_WAVE_STATE), scan=ScanConfig(**CHUNK64_SCAN))
 GROUPS_NT = SSDConfig(state=StateConfig(groups=2, transposed=False, block_p=32, block_n=32),
                       scan=ScanConfig(block_s=32, persistent=False))
-# Stages 2 and 3 as one kernel (ssd.fused_scan), as the default takes it at chunk 64; with
+# Stages 2 and 3 as one kernel (ssd.kernels.fused_scan), as the default takes it at chunk 64; with
 # seq_idx the forward takes the three stages instead.
 ONEKERNEL = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
 NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE,
@@ -169,7 +169,7 @@ def test_one_kernel_stages_2_and_3(spec, dtype, gpu_record):
 
 
 def test_one_kernel_where_the_default_takes_it(gpu_record):
-    """ssd.fused_scan as the default takes it on sm_90: chunk 64, state 128, two sequences of as
+    """ssd.kernels.fused_scan as the default takes it on sm_90: chunk 64, state 128, two sequences of as
     many heads as the GPU has SMs (one full wave at two blocks a SM), 8 groups as codestral-7b,
     full chunks."""
     from ssd.api import resolve_config
@@ -287,26 +287,27 @@ def test_bitwise_identical_reruns():
 
 def test_quick_first_call_computes_what_the_tuned_build_computes(monkeypatch, gpu_record):
     """A first launch of chunk_scan runs its quick build (occupancy hint 1) while the tuned one
-    compiles in a child process (ssd._tiered); both must write every element and agree bit for
+    compiles in a child process (ssd.launch); both must write every element and agree bit for
     bit (the same tile code on the same tiles), and the quick one must pass the reference. The
     other GPU tests check the tuned builds (conftest turns the quick first call off)."""
-    from ssd import _tiered, chunk_scan
+    from ssd import launch
+    from ssd.kernels import chunk_scan
     from ssd.validate import STAGE_KEYS
 
     monkeypatch.setenv("SSD_QUICK_FIRST_CALL", "1")
-    if _tiered.cache_dir() is None:
+    if launch.cache_dir() is None:
         pytest.skip("cuTile's kernel cache is off: no quick first call")
     spec = ProblemSpec(1, 1024, 64, 64, 128, 1, chunk_size=64, D="h", dt_bias=True,
                        dt_softplus=True, initial_states=True, name="quick-first")
     # GROUPS64 with a latency hint no other test uses: a kernel this process has not launched
     config = dataclasses.replace(GROUPS64, scan=dataclasses.replace(GROUPS64.scan, latency=9))
     tuned = chunk_scan.build_kernel(chunk_scan.ct.int32, 2, 9, None)
-    assert config.scan.occupancy == 2 and not any(k[0] is tuned for k in _tiered.settled)
+    assert config.scan.occupancy == 2 and not any(k[0] is tuned for k in launch.settled)
     inputs = device_inputs(spec, seed_for(spec.name), "bfloat16")
     ref = reference_of(spec, inputs)
     quick = run_stages(spec, inputs, "bfloat16", config)
-    assert [k[0] for k in _tiered._pending] == [tuned], "no background build started"
-    assert _tiered.wait_tuned() == 1 and any(k[0] is tuned for k in _tiered.settled)
+    assert [k[0] for k in launch._pending] == [tuned], "no background build started"
+    assert launch.wait_tuned() == 1 and any(k[0] is tuned for k in launch.settled)
     again = run_stages(spec, inputs, "bfloat16", config)
     assert set(quick) == set(again) and set(quick) <= set(STAGE_KEYS)
     for key in quick:
@@ -339,7 +340,7 @@ def test_matches_mamba_ssm_where_it_is_correct(gpu_record, name):
     the shapes this was the GPU suite's longest test, 197 s of its 376 on the H200). Where
     mamba_ssm misses the tolerance, or fails, the case records it and checks nothing: that is
     data about the peer. The validation chapter asserts that some case did cross-check."""
-    from ssd.peers import PeerUnavailable, mamba_ssm_forward
+    from ssd.tools.peers import PeerUnavailable, mamba_ssm_forward
 
     try:
         theirs = mamba_ssm_forward()

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import ssd.env
+import ssd.tools.env
 
 CONFTEST = Path(__file__).with_name("conftest.py")
 
@@ -23,7 +23,7 @@ def plumbing(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "ROOT", tmp_path)
-    monkeypatch.setattr(ssd.env, "environment", lambda: {"gpu": "NVIDIA H200", "date": "d"})
+    monkeypatch.setattr(ssd.tools.env, "environment", lambda: {"gpu": "NVIDIA H200", "date": "d"})
     return module
 
 

@@ -1,4 +1,4 @@
-"""The Mamba-2 mixer of ssd.mamba2: backends agree, the whole layer equals a token-by-token
+"""The Mamba-2 mixer of ssd.layer: backends agree, the whole layer equals a token-by-token
 recurrence written here, presets have the benchmark suite's dimensions, errors are clear.
 
 Error metric: relative Frobenius error ||out - ref|| / ||ref||, printed and asserted.
@@ -14,8 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd.bench import SUITES, Shape  # noqa: E402
-from ssd.mamba2 import (BACKENDS, PRESET_LAYERS, PRESETS, BackendUnavailable,  # noqa: E402
+from ssd.tools.bench import SUITES, Shape  # noqa: E402
+from ssd.layer import (BACKENDS, PRESET_LAYERS, PRESETS, BackendUnavailable,  # noqa: E402
                         Mamba2Config, Mamba2Mixer, Mamba2Stack, available_backends,
                         backend_function, capture_ssd_calls, config_for_shape, preset,
                         ssd_reference_torch, ssd_replaced, ssd_torch)
@@ -364,7 +364,7 @@ def test_bad_input_is_a_clear_error():
 
 def test_gpu_backend_on_cpu_tensor_is_refused(monkeypatch):
     """A GPU backend given CPU tensors fails with a message naming it (faked GPU backend)."""
-    import ssd.mamba2 as mm
+    import ssd.layer as mm
 
     monkeypatch.setattr(mm, "backend_function", lambda name: ssd_torch)
     m = Mamba2Mixer(SMALL["g1-tail"][0], "cutile")

@@ -1,7 +1,7 @@
-"""The primer's kernels (``ssd.primer``, notebook 04): compiled ahead of time on the CPU for every
+"""The primer's kernels (``ssd.kernels.primer``, notebook 04): compiled ahead of time on the CPU for every
 target, and (``-m gpu``) checked against torch on a GPU.
 
-The CPU part captures the launchers under ``ssd._launch.capture()`` and exports each record with
+The CPU part captures the launchers under ``ssd.launch.capture()`` and exports each record with
 ``cuda.tile.compilation.export_kernel``, as ``tests/test_aot.py`` does for the SSD stages.
 """
 import math
@@ -14,7 +14,8 @@ pytest.importorskip("cuda.tile")
 
 import cuda.tile as ct  # noqa: E402
 
-from ssd import _launch, primer  # noqa: E402
+from ssd import launch
+from ssd.kernels import primer  # noqa: E402
 
 KERNELS = {"scale_add_kernel", "row_stats_kernel", "matmul_kernel"}
 
@@ -41,11 +42,11 @@ def test_constants_specialise_the_kernel():
     from cuda.tile import compilation
 
     x = torch.empty(10, 10)
-    with _launch.capture() as rec:
+    with launch.capture() as rec:
         primer.scale_add(x, x, 1.0, out=torch.empty_like(x), tile=(32, 64))
         primer.scale_add(x, x, 3.0, out=torch.empty_like(x), tile=(32, 64))
         primer.scale_add(x, x, 1.0, out=torch.empty_like(x), tile=(64, 64))
-    names = [compilation.mangle_kernel_name("scale_add_kernel", _launch.signature(r)) for r in rec]
+    names = [compilation.mangle_kernel_name("scale_add_kernel", launch.signature(r)) for r in rec]
     assert names[0] == names[1] != names[2]  # alpha is a runtime scalar, the tile a constant
 
 
@@ -53,10 +54,10 @@ def test_int64_indexing_only_past_2_31_elements():
     """A view of 2**31 + 2**16 elements (stride 0: no memory) switches the index type."""
     small = torch.empty(4, 4, dtype=torch.bfloat16)
     big = torch.empty(1, 1, dtype=torch.bfloat16).expand(2**16, 2**15 + 1)
-    assert big.numel() > _launch.INT32_MAX
-    assert _launch.index_dtype_for(small) == ct.int32
-    assert _launch.index_dtype_for(small, big) == ct.int64
-    with _launch.capture() as rec:
+    assert big.numel() > launch.INT32_MAX
+    assert launch.index_dtype_for(small) == ct.int32
+    assert launch.index_dtype_for(small, big) == ct.int64
+    with launch.capture() as rec:
         primer.scale_add(small, small, 1.0)
         primer.scale_add(big, big, 1.0, out=big)
     assert rec[0].kernel is primer.build_scale_add_kernel(ct.int32)

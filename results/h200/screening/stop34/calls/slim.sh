@@ -1,8 +1,0 @@
-# untrack (and ignore) what a kernel call never reads; `away` before, `back` after
-P="results/h200/previous notebooks book DESIGN.md"
-S=$(cd results/h200/screening && ls -d * | grep -v "^${KEEP:-stop34}\$" | sed 's#^#results/h200/screening/#')
-case "$1" in
-away) git rm -r -q --cached $P $S && for p in $P $S; do echo "/$p" >> .git/info/exclude; done ;;
-back) sed -i '/^\/\(results\/h200\/previous\|notebooks\|book\|DESIGN.md\|results\/h200\/screening\/\)/d' .git/info/exclude && git reset -q HEAD -- $P $S ;;
-esac
-git status --short | head -3; wc -l < .git/info/exclude

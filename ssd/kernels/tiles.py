@@ -1,0 +1,142 @@
+"""Tile code the stage kernels share: decays in log2 units, the per-chunk state product, and the
+row loads, weights and epilogue of the outputs.
+
+Every function here runs inside a kernel (cuTile inlines it); none is launched on its own. The
+kernels of :mod:`ssd.kernels` are siblings that import from this module, never from each other.
+"""
+import cuda.tile as ct
+
+ConstInt = ct.Constant[int]
+ConstBool = ct.Constant[bool]
+ZERO = ct.PaddingMode.ZERO
+LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the native unit
+
+# chunk_decay's last axis: the carry repeated over a row of 32 bytes, so that chunk_scan loads it
+# as a row by TMA and takes one element out (ct.extract), as chunk_state.chunk_end_decay does with
+# dA_cumsum; a one-element tile is a cp.async the consumer warps issue and wait out themselves.
+DECAY_ROW = 8
+
+
+def k_step(acc, kk, x, B, dt_out, dA_cumsum, seq_idx, last, seq_end, ib, ic, ih, ig, ip, jn, Q,
+           BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY, TRANSPOSED):
+    """Tile code: ``acc`` plus K block ``kk`` of chunk ``ic`` (see :func:`chunk_state_tile`)."""
+    k_per_chunk = Q // BLOCK_K
+    row = ic * k_per_chunk + kk  # tile index along l in units of BLOCK_K
+    xk = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_K, 1, BLOCK_P), padding_mode=ZERO,
+                 latency=LATENCY)
+    xk = xk.reshape((BLOCK_K, BLOCK_P))  # [K, P]
+    dacs = ct.load(dA_cumsum, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
+    dtk = ct.load(dt_out, index=(ib, ih, ic, kk), shape=(1, 1, 1, BLOCK_K)).reshape((BLOCK_K,))
+    # last - dacs <= 0 because the cumulative log-decay only falls: exp2 never overflows.
+    w = ct.exp2((last - dacs) * LOG2E) * dtk  # [K]
+    if HAS_SEQ:
+        seq = ct.load(seq_idx, index=(ib, row), shape=(1, BLOCK_K), padding_mode=ZERO)
+        w = ct.where(seq.reshape((BLOCK_K,)) == seq_end, w, 0.0)
+    # Fold the per-position weight into B in fp32, round once to x's dtype for the MMA.
+    if TRANSPOSED:
+        bt = ct.load(B, index=(ib, jn, ig, row), shape=(1, BLOCK_N, 1, BLOCK_K), order=(0, 3, 2, 1),
+                     padding_mode=ZERO, latency=LATENCY)
+        bt = bt.reshape((BLOCK_N, BLOCK_K)).astype(ct.float32)  # [N, K]
+        acc = ct.mma((bt * w[None, :]).astype(xk.dtype), xk, acc)  # [N, P], fp32 accumulation
+    else:
+        bk = ct.load(B, index=(ib, row, ig, jn), shape=(1, BLOCK_K, 1, BLOCK_N), padding_mode=ZERO,
+                     latency=LATENCY)
+        bk = bk.reshape((BLOCK_K, BLOCK_N)).astype(ct.float32)  # [K, N]
+        bw = (bk * w[:, None]).astype(xk.dtype)  # [K, N]
+        acc = ct.mma(ct.transpose(xk), bw, acc)  # [P, N], fp32 accumulation
+    return acc
+
+
+def chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
+    """Tile code: the [1] cumulative log-decay at the chunk's last position, dA_cumsum[..., Q-1].
+
+    Taken out of the chunk's last BLOCK_K row, not loaded as one element: a one-element tile is
+    a cp.async that the consumer warps issue and wait out themselves at every chunk of the
+    walk, where a row is a TMA load the producer issues ahead (and the same row the last K
+    step reads). On the H200 this took 18-24 % off the fused stage 2 at chunk 128
+    (results/h200/screening/stop21/tail-row.json; the peers chapter, 10, has the numbers)."""
+    tail = ct.load(dA_cumsum, index=(ib, ih, ic, Q // BLOCK_K - 1), shape=(1, 1, 1, BLOCK_K))
+    return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K - 1,), shape=(1,))
+
+
+def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip,
+                     jn, Q, BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY, TRANSPOSED=False,
+                     FULL=False):
+    """Tile code: ``acc`` plus the [BLOCK_P, BLOCK_N] fp32 state of chunk ``ic`` for head
+    ``ih`` (group ``ig``), channels ``ip*BLOCK_P ...``, state entries ``jn*BLOCK_N ...``. The
+    chunk's MMAs accumulate into ``acc`` itself (zeros for the chunk's own state, the decayed
+    running state in the fused scan), so no second fp32 tile is live beside it.
+
+    The chunk is consumed BLOCK_K positions at a time (the MMA's K loop): a whole 256-long
+    chunk of x and B would not fit in registers next to the accumulator. K blocks that lie
+    entirely past the sequence end are skipped (a tile fully out of bounds is undefined);
+    partial ones load zeros and carry dt' = 0. ``LATENCY`` is the load hint for x and B
+    (:attr:`ssd.config.StateConfig.latency`).
+    ``TRANSPOSED``: ``acc`` is the state transposed, [BLOCK_N, BLOCK_P], and the MMA is
+    (w B)ᵀ x with B loaded as [BLOCK_N, BLOCK_K] (StateConfig.transposed).
+    ``FULL``: every chunk of the sequence is full (seqlen % Q == 0), so the K loop has a
+    constant trip count and is unrolled. The fused walk then has a straight-line body per chunk,
+    which the H200 ran faster per forward than the counted loop on every model shape
+    (results/h200/screening/stop17/flat-walk*.json; the peers chapter, 10, has the numbers).
+    """
+    last = chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K)
+    seq_end = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ
+    if HAS_SEQ:
+        seq_end = ct.load(seq_last, index=(ib, ic), shape=(1, 1)).reshape((1,))
+    k_per_chunk = Q // BLOCK_K
+    k_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)
+    step = (x, B, dt_out, dA_cumsum, seq_idx, last, seq_end, ib, ic, ih, ig, ip, jn, Q, BLOCK_K,
+            BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY, TRANSPOSED)
+    if FULL:
+        for kk in ct.static_iter(range(k_per_chunk)):
+            acc = k_step(acc, kk, *step)
+    else:
+        for kk in range(k_end):
+            acc = k_step(acc, kk, *step)
+    return acc
+
+
+def skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD):
+    """Tile code: D of head ``ih`` (and the block's channels) as an fp32 factor of x [M, P]."""
+    if D_PER_HEAD:  # D (h,) as the layer holds it: no per-call expansion on the host
+        return ct.load(D, index=(ih,), shape=(1,)).astype(ct.float32).reshape((1, 1))
+    d = ct.load(D, index=(ih, ip), shape=(1, BLOCK_P), padding_mode=ZERO)
+    return d.astype(ct.float32)  # [1, P]
+
+
+def head_rows(arr, ib, l_tile, ih, ip, BLOCK_T, BLOCK_P, LATENCY=None):
+    """Tile code: rows ``l_tile*BLOCK_T ...`` of one head of a (b, l, h, p) array, [T, P]."""
+    t = ct.load(arr, index=(ib, l_tile, ih, ip), shape=(1, BLOCK_T, 1, BLOCK_P),
+                padding_mode=ZERO, latency=LATENCY)
+    return t.reshape((BLOCK_T, BLOCK_P))
+
+
+def head_weights(cb, a_t, keep, masked, dt_out, dA_cumsum, ib, ih, ic, js, BLOCK_S):
+    """Tile code: one head's fp32 weights [M, S] = C Bᵀ 2^(a_t - a_s) dt_s of column block
+    ``js`` (``cb``: C Bᵀ [M, S]; ``a_t``: the rows' decays [M], log2 units), zero where not
+    ``keep`` when ``masked``."""
+    a_s = ct.load(dA_cumsum, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S))
+    a_s = a_s.reshape((BLOCK_S,)) * LOG2E  # [S]
+    dt_s = ct.load(dt_out, index=(ib, ih, ic, js), shape=(1, 1, 1, BLOCK_S)).reshape((BLOCK_S,))
+    seg = a_t[:, None] - a_s[None, :]  # [M, S]
+    if masked:
+        # Mask the exponent, not the product: above the diagonal a_t - a_s is positive and its
+        # exp2 could overflow to inf, and inf * 0 = NaN.
+        seg = ct.where(keep, seg, -float("inf"))
+    # flush_to_zero: a weight below 2^-126 is invisible beside the others in an fp32 sum that
+    # ends in bf16, and without it every exp2 carries a compare and two multiplies that scale
+    # subnormal results.
+    return cb * ct.exp2(seg, flush_to_zero=True) * dt_s[None, :]
+
+
+def finish_rows(acc, x_t, z, D, y, ib, rows, ih, ip, BLOCK_M, BLOCK_P, HAS_D, D_PER_HEAD,
+                HAS_Z):
+    """Tile code: the skip connection (``x_t``: the rows' x [M, P]) and the gate, in fp32, then
+    the store of one head's rows ``rows`` of y."""
+    if HAS_D:
+        acc = acc + x_t.astype(ct.float32) * skip_factor(D, ih, ip, BLOCK_P, D_PER_HEAD)
+    if HAS_Z:
+        z_t = head_rows(z, ib, rows, ih, ip, BLOCK_M, BLOCK_P).astype(ct.float32)
+        acc = acc * z_t / (1.0 + ct.exp(-z_t))  # y * silu(z)
+    ct.store(y, index=(ib, rows, ih, ip),
+             tile=acc.reshape((1, BLOCK_M, 1, BLOCK_P)).astype(y.dtype))

@@ -1,0 +1,353 @@
+"""One place where cuTile kernels are launched, so the same host code can also be compiled
+ahead of time on a machine without a GPU.
+
+Every stage launcher in ``ssd`` ends in :func:`launch`. Normally that queues the kernel on
+the current CUDA stream of the tensors' device. Inside :func:`capture` it records the
+``(kernel, grid, args)`` triple instead, and :mod:`ssd.tools.aot` turns each record into an
+explicit :class:`cuda.tile.compilation.KernelSignature` and exports a cubin. Launchers
+therefore run unchanged on CPU tensors under ``capture()``: that is how CI proves that every
+kernel still compiles for sm_80 / sm_90 / sm_100.
+
+Quick first calls: a kernel whose compile is long runs a quick-compiling build of itself until
+its tuned build, compiled in another process, is in cuTile's kernel cache.
+
+Why: tileiras spends up to 13 s on ``chunk_scan``'s tuned build for some configurations (the
+grouped walk with full chunks at 64: its search for a pipeline across tiles; the pipeline pays,
+chapter 9), which is longer than a first call may take, and every cut of that search measured
+cost the forward 1.1-2.3x its time. So both builds exist: the tuned one for steady
+state, and one with the occupancy hint at 1 (one block a SM; tileiras compiles it in 1-3 s) for
+the calls before the tuned one is ready. cuTile compiles under one process-wide lock, so a thread
+could not compile beside the launches; a child process can. It rebuilds the kernel
+(:class:`Rebuild`), exports the cubin for the launch's signature (the one cuTile's launcher
+derives, :func:`signature`, carried as its mangled name) into cuTile's disk cache,
+and exits; the first launch of the tuned kernel after that is a cache hit (cuTile's front end,
+about 0.1 s). Both builds run the same tile code on the same tiles, so they compute the same
+values; only the scheduling hint differs (the GPU tests compare them).
+
+Without cuTile's disk cache (``CUDA_TILE_CACHE_DIR=off``) the child could hand nothing over, so
+the tuned build compiles in the first call; ``SSD_QUICK_FIRST_CALL=0`` asks for that
+too. A CUDA-graph capture waits for the tuned build, so a graph never holds the quick one.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import io
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import typing
+from dataclasses import dataclass
+
+import cuda.tile as ct
+
+
+INT32_MAX = 2**31 - 1
+
+
+def index_dtype_for(*tensors) -> "ct.DType":
+    """int64 indexing only where a tensor has 2**31 elements or more (address arithmetic would
+    overflow in int32 there); int32 everywhere else because it is cheaper."""
+    big = any(t is not None and t.numel() > INT32_MAX for t in tensors)
+    return ct.int64 if big else ct.int32
+
+
+def array_type(index_dtype) -> typing.Any:
+    """The kernel-parameter annotation for an array indexed with ``index_dtype``."""
+    return typing.Annotated[ct.Array, ct.ArrayAnnotation(index_dtype=index_dtype)]
+
+
+@dataclass(frozen=True)
+class Launch:
+    kernel: "ct.kernel"
+    grid: tuple
+    args: tuple
+
+
+_captured: list | None = None
+
+
+@contextlib.contextmanager
+def capture():
+    """Record launches instead of running them (for ahead-of-time compilation)."""
+    global _captured
+    previous, _captured = _captured, []
+    try:
+        yield _captured
+    finally:
+        _captured = previous
+
+
+_launched: set = set()  # kernels launched at least once in this process
+
+
+def launch(kernel, grid: tuple, args: tuple, device=None, quick=None) -> None:
+    """Launch ``kernel`` over ``grid`` on the current stream of ``device`` (or record it).
+
+    quick: an :class:`ssd.QuickFirst` for a kernel whose tuned build compiles for long;
+    until that build is ready the quick one runs in its place (see the module docstring).
+    """
+    grid, args = tuple(grid), tuple(args)
+    if _captured is not None:
+        _captured.append(Launch(kernel, grid, args))
+        return
+    import torch
+
+    with torch.cuda.device(device):
+        if quick is not None and (key := launch_key(kernel, args)) not in settled:
+            arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
+            kernel = pick(key, quick, Launch(kernel, grid, args), arch,
+                                  torch.cuda.is_current_stream_capturing())
+        if kernel in _launched:
+            ct.launch(torch.cuda.current_stream(), grid, kernel, args)
+            return
+        # A first launch compiles (seconds, in silence otherwise); later ones of other
+        # signatures compile too, and say nothing.
+        name = kernel._pyfunc.__name__.removesuffix("_kernel")
+        log.info("%s: first launch in this process (compiles unless cached)", name)
+        start = time.perf_counter()
+        ct.launch(torch.cuda.current_stream(), grid, kernel, args)
+        _launched.add(kernel)
+        log.info("%s: launched after %.1f s", name, time.perf_counter() - start)
+
+
+@functools.lru_cache(maxsize=None)
+def _param_kinds(kernel) -> tuple:
+    """For each kernel parameter: ('const', None), ('array', index_dtype) or ('scalar', None)."""
+    kinds = []
+    hints = typing.get_type_hints(kernel._pyfunc, include_extras=True)
+    for name in inspect.signature(kernel._pyfunc).parameters:
+        hint = hints.get(name)
+        meta = getattr(hint, "__metadata__", ())
+        if any(isinstance(m, ct.ConstantAnnotation) for m in meta):
+            kinds.append(("const", None))
+        elif any(isinstance(m, ct.ArrayAnnotation) for m in meta):
+            ann = next(m for m in meta if isinstance(m, ct.ArrayAnnotation))
+            kinds.append(("array", ann.index_dtype))
+        elif typing.get_origin(hint) is None and hint is ct.Array:
+            kinds.append(("array", ct.int32))
+        else:
+            kinds.append(("scalar", None))
+    return tuple(kinds)
+
+
+_TORCH_TO_CT = {
+    "torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
+    "torch.float64": "float64", "torch.int32": "int32", "torch.int64": "int64",
+}
+
+
+# cuTile's launcher specialises a kernel on every array argument: a stride of 1 and a size of 1
+# become constants, strides and sizes are marked divisible where they are (strides by 16 bytes'
+# worth of elements, sizes by 16), and the base address is taken as 16-byte aligned. The
+# compiled code depends on these (on sm_90 they decide whether loads go through TMA), so an
+# ahead-of-time compile must make the same marks to get the kernel a GPU run would get.
+DIVISOR = 16
+
+
+def array_constraint(tensor, index_dtype):
+    """The ArrayConstraint cuTile's launcher derives from ``tensor`` (shape, strides, dtype)."""
+    from cuda.tile import compilation as C
+
+    per_16_bytes = DIVISOR // tensor.element_size()
+    unit = [s == 1 for s in tensor.stride()]
+    return C.ArrayConstraint(
+        dtype=getattr(ct, _TORCH_TO_CT[str(tensor.dtype)]), ndim=tensor.dim(),
+        index_dtype=index_dtype, alias_groups=(), may_alias_internally=False,
+        stride_lower_bound_incl=tuple(None if u else 0 for u in unit),
+        stride_constant=tuple(1 if u else None for u in unit),
+        stride_divisible_by=tuple(1 if u or s % per_16_bytes else per_16_bytes
+                                  for u, s in zip(unit, tensor.stride())),
+        shape_constant=tuple(1 if d == 1 else None for d in tensor.shape),
+        shape_divisible_by=tuple(DIVISOR if d % DIVISOR == 0 else 1 for d in tensor.shape),
+        base_addr_divisible_by=DIVISOR)
+
+
+def signature(record: Launch):
+    """The KernelSignature a GPU launch of ``record`` would compile (no GPU or driver needed)."""
+    from cuda.tile import compilation as C
+
+    params = []
+    for (kind, index_dtype), arg in zip(_param_kinds(record.kernel), record.args, strict=True):
+        if kind == "const":
+            params.append(arg)
+        elif kind == "array":
+            params.append(array_constraint(arg, index_dtype))
+        elif isinstance(arg, bool):
+            params.append(C.ScalarConstraint(dtype=ct.bool_))
+        elif isinstance(arg, int):
+            params.append(C.ScalarConstraint(dtype=ct.int32))
+        else:
+            params.append(C.ScalarConstraint(dtype=ct.float32))
+    return C.KernelSignature(parameters=params,
+                             calling_convention=C.CallingConvention.cutile_python_v2())
+
+
+def optional(tensor, ndim: int, dtype, device):
+    """``tensor``, or a one-element stand-in when it is None (the kernel's flag for it is off).
+
+    Kernels take a fixed parameter list; passing another argument in its place would alias
+    two kernel arrays, which cuTile forbids even when one of them is never touched. Never
+    touched, its contents do not matter: ``empty`` allocates without launching a fill kernel
+    (``zeros`` launched one per absent input per forward).
+    """
+    import torch
+
+    if tensor is not None:
+        return tensor
+    return torch.empty((1,) * ndim, dtype=dtype, device=device)
+
+
+# --- quick first calls ------------------------------------------------------------------------
+
+log = logging.getLogger("ssd")
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """How another process builds the same kernel: ``module.function(*args)`` (arguments that
+    JSON can carry, cuTile dtypes among them)."""
+    module: str
+    function: str
+    args: tuple = ()
+
+    def encode(self) -> str:
+        import cuda.tile as ct
+
+        args = [{"dtype": a.name} if isinstance(a, ct.DType) else a for a in self.args]
+        return json.dumps(dict(module=self.module, function=self.function, args=args))
+
+    @staticmethod
+    def decode(text: str):
+        """The kernel that ``Rebuild.encode`` describes."""
+        import cuda.tile as ct
+
+        spec = json.loads(text)
+        args = [getattr(ct, a["dtype"]) if isinstance(a, dict) else a for a in spec["args"]]
+        return getattr(importlib.import_module(spec["module"]), spec["function"])(*args)
+
+
+@dataclass(frozen=True)
+class QuickFirst:
+    """A launch's quick build and how a child process builds its tuned one."""
+    quick: object  # cuda.tile kernel: the same tile code, compiled fast
+    tuned: Rebuild
+
+
+@dataclass
+class _Build:
+    name: str
+    proc: subprocess.Popen
+    stderr: object  # a temporary file: a pipe left unread could fill and stall the child
+    started: float
+
+
+_pending: dict = {}   # launch key -> the _Build of its tuned kernel
+settled: set = set()  # launch keys whose tuned kernel launches as itself from now on
+
+
+def launch_key(kernel, args) -> tuple:
+    """What cuTile's launcher compiles ``kernel`` for with ``args``, nearly: the constants and
+    scalars, and each array's dtype, shape and strides. (Not its base address: a view that is not
+    16-byte aligned gets another signature, and its tuned build compiles at its first launch.) A
+    shape never seen before gets its own background build even where the process has launched
+    the kernel for other shapes."""
+    return (kernel, *((a.dtype, a.shape, a.stride()) if hasattr(a, "stride") else a for a in args))
+
+
+def cache_dir() -> str | None:
+    """cuTile's kernel cache folder in this process (None: the cache is off). cuTile reads it
+    from the environment once, at import; its inspector package has the same reader."""
+    from cutile_cache._env import get_cache_dir_from_env
+
+    return get_cache_dir_from_env()
+
+
+def enabled() -> bool:
+    return os.environ.get("SSD_QUICK_FIRST_CALL", "1") != "0" and cache_dir() is not None
+
+
+def pick(key, quick: QuickFirst, record, arch: str, capturing: bool):
+    """The kernel to launch for ``record`` (a :class:`Launch` of a tuned kernel, whose
+    :func:`launch_key` is ``key``, not yet settled): the quick build while the tuned build compiles
+    in a child process (started here at the key's first launch), the tuned kernel once that is
+    done. ``capturing``: a CUDA graph is being captured, which waits for the tuned build."""
+    build = _pending.get(key)
+    if build is None:
+        if not enabled():
+            settled.add(key)
+            return record.kernel
+        build = _pending[key] = start(record, quick.tuned, arch, cache_dir())
+        log.info("%s: compiling its tuned build in the background (pid %d); a quick build "
+                 "(occupancy 1) runs until it is in the kernel cache", build.name, build.proc.pid)
+    if build.proc.poll() is None and not capturing:
+        return quick.quick
+    _finish(key)
+    return record.kernel
+
+
+def start(record, tuned: Rebuild, arch: str, cache: str) -> _Build:
+    """Start a child process that compiles ``tuned`` for ``record``'s signature on ``arch``
+    into the cuTile kernel cache at ``cache``."""
+    name = record.kernel._pyfunc.__name__
+    symbol = signature(record).with_mangled_symbol(name).symbol
+    # The child imports what this process imports, from where it imports it.
+    env = {**os.environ, "CUDA_TILE_CACHE_DIR": cache,
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    err = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, "-m", "ssd.launch", arch, symbol, tuned.encode()],
+                            env=env, stdout=subprocess.DEVNULL, stderr=err)
+    return _Build(name.removesuffix("_kernel"), proc, err, time.perf_counter())
+
+
+def _finish(key, timeout: float | None = None) -> None:
+    build = _pending.pop(key)
+    try:
+        code = build.proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        _pending[key] = build
+        raise
+    seconds = time.perf_counter() - build.started
+    if code:
+        build.stderr.seek(0)
+        tail = build.stderr.read().decode(errors="replace")[-800:]
+        log.warning("%s: the background build failed (exit %d); the tuned build compiles at its "
+                    "next launch instead:\n%s", build.name, code, tail)
+    else:
+        log.info("%s: tuned build ready after %.1f s", build.name, seconds)
+    build.stderr.close()
+    settled.add(key)
+
+
+def wait_tuned(timeout: float | None = None) -> int:
+    """Wait until every tuned build compiling in the background is in the kernel cache, so that
+    every later launch runs tuned kernels (benchmarks call this before timing). Returns how many
+    builds it waited for; raises ``subprocess.TimeoutExpired`` after ``timeout`` seconds a build."""
+    keys = list(_pending)
+    for key in keys:
+        _finish(key, timeout)
+    return len(keys)
+
+
+def main(argv=None) -> int:
+    """The child: ``python -m ssd.launch ARCH SYMBOL REBUILD``."""
+    from cuda.tile import compilation
+
+    arch, symbol, rebuild = argv if argv is not None else sys.argv[1:]
+    kernel = Rebuild.decode(rebuild)
+    name, signature = compilation.demangle_kernel_name(symbol)
+    if name != kernel._pyfunc.__name__:
+        raise SystemExit(f"ssd.launch: {rebuild} builds {kernel._pyfunc.__name__}, not {name}")
+    compilation.export_kernel(kernel, [signature], io.BytesIO(), gpu_code=arch,
+                              output_format="cubin")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,611 @@
+"""The complete job: how much of a Mamba-2 layer is SSD, and what a faster SSD buys the model.
+
+``python -m ssd.tools.endtoend`` (library + command line; the data of notebook 11).
+
+A faster kernel is not a faster model: if a fraction ``share`` of the job's time is spent in
+the part made ``s`` times faster, the job gets :func:`amdahl` ``(share, s)`` =
+1 / ((1 - share) + share / s) faster. This module measures the three numbers that law needs,
+on the Mamba-2 mixer of ``ssd.layer`` with random weights:
+
+1. :func:`ssd_share` -- one mixer's forward time, and the time of its SSD call alone on the
+   very tensors the mixer passed it (captured with a forward hook); share = ssd / mixer.
+   As a cross-check, the mixer is also timed with its SSD replaced by a stub that only
+   allocates the output (``rest_ms``): mixer_ms ~ rest_ms + ssd_ms when the parts add up.
+2. :func:`prefill` -- a stack of N mixers (pre-norm, residuals) over a whole prompt:
+   latency, tokens/s, and the share of the stack spent in SSD (N x one layer's SSD call).
+3. :func:`run` -- sweeps the benchmark suite's shapes (``ssd.tools.bench.SUITES``) and a prefill
+   grid for the backends "cutile" (ours) and "mamba_ssm" (Triton), and writes
+   ``results/<gpu>/endtoend.json`` with the environment record; :func:`amdahl_rows` puts the
+   predicted end-to-end speedup (from the measured share and kernel speedup) next to the
+   measured one. A run merges into an existing file row by row (:func:`merge`), so a long
+   sweep can be split over several commands::
+
+       python -m ssd.tools.endtoend --only share
+       python -m ssd.tools.endtoend --only prefill --configs 130m
+       python -m ssd.tools.endtoend --only prefill --configs 2.7b
+       python -m ssd.tools.endtoend --only prefill --configs codestral-7b
+
+Timing: on a CUDA device every number comes from ``ssd.tools.bench.time_fn`` (CUDA events, warm-up
+excluded, median and 20/80 % quantiles), by default as a CUDA-graph replay with L2 flushed
+before every call -- the settings of the benchmark suite, so the SSD times here are
+comparable with ``results/<gpu>/models.json``. Both the mixer and its SSD call are timed with
+L2 flushed, so the SSD alone does not profit from inputs the mixer just left in L2 (in the
+mixer they may partly be there: the share is then a slight over-estimate). On the CPU
+(tests) a perf_counter loop stands in, with the same keys and ``timer`` saying which.
+
+The layer around the SSD is plain PyTorch (cuBLAS GEMMs, a cuDNN depthwise conv, elementwise
+ops, an unfused gated RMSNorm), not mamba_ssm's fused kernels: the share measured here is
+that of this layer, and a more fused layer would spend a larger share in SSD.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from .bench import SUITES, Shape, _progress
+from .env import ROOT, environment, gpu_slug, write_json
+
+#: Backends compared end to end: ours and mamba_ssm's Triton forward.
+SHARE_BACKENDS = ("cutile", "mamba_ssm")
+#: Which backend is the baseline of a speedup, and which the new one.
+BASE, NEW = "mamba_ssm", "cutile"
+#: Relative error allowed between a backend's mixer output and the torch backend's on the
+#: same weights and input (last batch row), per dtype, before timing; see tests/test_mamba2.py.
+GATE_TOL = {"bfloat16": 3e-2, "float16": 5e-3, "float32": 1e-4, "float64": 1e-10}
+#: Prefill grid: (preset, batch, seqlen) -- batch 1 and 8 at three prompt lengths, plus each
+#: preset's own benchmark-suite point -- the stack having the published model's depth.
+_PREFILL_PRESETS = ("130m", "2.7b", "codestral-7b")
+PREFILL_GRID = tuple(sorted(
+    {(name, b, l) for name in _PREFILL_PRESETS for b in (1, 8) for l in (512, 2048, 8192)}
+    | {(s.name, s.b, s.l) for s in SUITES["models"] if s.name in _PREFILL_PRESETS},
+    key=lambda t: (_PREFILL_PRESETS.index(t[0]), t[1], t[2])))  # one stack built per preset
+QUICK_PREFILL_GRID = tuple((name, b, l) for name in ("130m", "2.7b") for b in (1, 8)
+                           for l in (512, 4096))
+#: A CPU-sized run of the whole pipeline (tests, ``--suite smoke``): 4 heads in 2 groups,
+#: seqlen 80 = two chunks of 32 and a tail.
+SMOKE_SHAPES = (Shape("smoke", 2, 80, 4, 16, 8, 2),)
+SMOKE_CHUNK = 32
+
+
+# ----------------------------------------------------------------------------- Amdahl
+
+
+def amdahl(share: float, kernel_speedup: float) -> float:
+    """End-to-end speedup when a part taking fraction ``share`` of the time gets
+    ``kernel_speedup`` times faster and the rest is unchanged (Amdahl's law)::
+
+        speedup = 1 / ((1 - share) + share / kernel_speedup)
+
+    The seed's example: half the time in the kernel (share 0.5), kernel twice as fast
+    (speedup 2): 1 / (0.5 + 0.25) = 1.33x, i.e. the job takes 0.75 of its time -- doubling
+    the kernel saves a quarter, not a half. However fast the kernel, the job is never more
+    than 1 / (1 - share) times faster.
+
+    Args:
+        share: fraction of the job's time in the part, 0 <= share <= 1.
+        kernel_speedup: old time / new time of that part, > 0 (< 1 is a slowdown).
+    """
+    share, kernel_speedup = float(share), float(kernel_speedup)
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"share: expected a fraction in [0, 1], got {share!r}")
+    if not kernel_speedup > 0.0:
+        raise ValueError(f"kernel_speedup: expected a positive number, got {kernel_speedup!r}")
+    return 1.0 / ((1.0 - share) + share / kernel_speedup)
+
+
+def amdahl_rows(rows, key=("shape",), total="mixer_ms", part="ssd_ms", base=BASE, new=NEW):
+    """Predicted vs measured end-to-end speedup of ``new`` over ``base``, per group of rows.
+
+    Rows with the same values of ``key`` and backends ``base`` and ``new`` are paired;
+    share = part / total of the base, kernel_speedup = base part / new part, predicted =
+    amdahl(share, kernel_speedup), measured = base total / new total.
+    Returns one dict per pair, in the order the base rows come.
+    """
+    index = {(tuple(r[k] for k in key), r["backend"]): r for r in rows}
+    out = []
+    for r in rows:
+        if r["backend"] != base:
+            continue
+        k = tuple(r[f] for f in key)
+        other = index.get((k, new))
+        if other is None:
+            continue
+        share = r[part] / r[total]  # > 1 only by timing noise (part timed alone)
+        speedup = r[part] / other[part]
+        bounded = min(share, 1.0)
+        out.append(dict(zip(key, k), base=base, new=new, share=share, kernel_speedup=speedup,
+                        predicted=amdahl(bounded, speedup), measured=r[total] / other[total],
+                        max_possible=1 / max(1e-12, 1 - bounded)))
+    return out
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _device(device=None):
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def cpu_time(fn, *, reps=10, warmup=2) -> dict:
+    """The CPU stand-in for ``ssd.tools.bench.time_fn``: wall time of ``fn()`` with perf_counter,
+    warm-up excluded; the same keys (median_ms, q20_ms, q80_ms, min_ms, reps)."""
+    for _ in range(warmup):
+        fn()
+    ms = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - start) * 1e3)
+    q = statistics.quantiles(ms, n=5, method="inclusive") if len(ms) > 1 else [ms[0]] * 4
+    return dict(median_ms=float(statistics.median(ms)), q20_ms=float(q[0]), q80_ms=float(q[3]),
+                min_ms=float(min(ms)), reps=reps)
+
+
+def timer(fn, device, *, mode="graph", l2="flushed", reps=20, warmup=5) -> dict:
+    """Time ``fn`` on ``device``: ``ssd.tools.bench.time_fn`` (CUDA events; ``mode`` graph/eager,
+    ``l2`` flushed/warm) on a CUDA device, :func:`cpu_time` elsewhere. The result says which
+    in ``timer``."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        from .bench import time_fn
+
+        stats = time_fn(fn, mode=mode, l2=l2, reps=reps, warmup=warmup)
+        return dict(stats, timer="CUDA events", mode=mode, l2=l2)
+    return dict(cpu_time(fn, reps=reps, warmup=min(warmup, 2)), timer="perf_counter (CPU)",
+                mode="eager", l2="n/a")
+
+
+def _stub_ssd(x, *args, **kwargs):
+    """Stands in for the SSD when timing the rest of the layer: allocates y, computes nothing."""
+    import torch
+
+    return torch.empty_like(x)
+
+
+def _rel_err(out, ref) -> float:
+    import torch
+
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
+
+
+def _inputs(config, batch, seqlen, device, seed):
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(batch, seqlen, config.d_model, generator=gen, device=device,
+                       dtype=torch.float32).to(config.torch_dtype)
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class GateFailed(AssertionError):
+    """A backend's layer output disagrees with the torch backend's beyond ``GATE_TOL``."""
+
+
+def gate(mixer, u, tol=None) -> float:
+    """Relative error of the mixer's output on the last batch row against the same mixer with
+    the torch backend (fp32 SSD); raises :class:`GateFailed` above ``tol`` (default
+    ``GATE_TOL[dtype]``). The backend is restored afterwards."""
+    backend = mixer.backend
+    u1 = u[-1:]
+    out = mixer(u1)
+    try:
+        ref = mixer.set_backend("torch")(u1)
+    finally:
+        mixer.set_backend(backend)
+    err = _rel_err(out, ref)
+    tol = GATE_TOL[mixer.config.dtype] if tol is None else tol
+    if not err <= tol:
+        raise GateFailed(f"{backend}: mixer output differs from the torch backend's by "
+                         f"rel err {err:.3e} > {tol:.0e}")
+    return err
+
+
+def _tune_on(backend, call, device):
+    """Let an autotuned backend choose its configurations on the problem about to be timed:
+    mamba_ssm's are reset (:func:`ssd.tools.peers.retune_mamba_ssm`) and ``call`` (the full-size
+    forward) runs once, before the batch-1 gate could pick them instead."""
+    if backend != "mamba_ssm":
+        return
+    from .peers import retune_mamba_ssm
+
+    retune_mamba_ssm()
+    call()
+    _sync(device)
+
+
+def ssd_share(config, batch, seqlen, backend, reps=20, *, mode="graph", l2="flushed", warmup=5,
+              seed=0, device=None, check=True, rest=True, mixer=None, chunk_size=None) -> dict:
+    """Time one mixer's forward and the SSD call inside it; return their ratio.
+
+    Args:
+        config: a ``ssd.layer.Mamba2Config``.
+        batch, seqlen: the input (batch, seqlen, d_model).
+        backend: the SSD backend ("cutile", "mamba_ssm", "torch", ...).
+        reps, mode, l2, warmup: timing settings (see :func:`timer`).
+        seed: weights (when ``mixer`` is not given) and input.
+        device: default "cuda" when available, else "cpu".
+        check: first compare the layer's output with the torch backend's (:func:`gate`).
+        rest: also time the mixer with its SSD stubbed out (``rest_ms``).
+        mixer: an existing ``Mamba2Mixer`` to reuse (its backend is set to ``backend``).
+        chunk_size: the chunk size the SSD is called with (default the config's).
+    Returns:
+        dict with mixer_ms, ssd_ms, share = ssd_ms / mixer_ms, rest_ms and
+        share_by_rest = 1 - rest_ms / mixer_ms (when ``rest``), the quantiles of each
+        (``mixer``, ``ssd``, ``rest`` sub-dicts), gate_rel_err, dims (b, l, h, p, n, g),
+        d_model, chunk_size, dtype, backend, timer settings.
+    """
+    import torch
+
+    from ..layer import Mamba2Mixer, capture_ssd_calls, ssd_replaced
+
+    device = _device(device)
+    if mixer is None:
+        mixer = Mamba2Mixer(config, backend, device=device, seed=seed)
+    mixer.set_backend(backend, chunk_size or config.chunk_size)
+    u = _inputs(config, batch, seqlen, device, seed + 1)
+    with torch.no_grad():
+        _tune_on(backend, lambda: mixer(u), device)
+        err = gate(mixer, u) if check and backend != "torch" else None
+        out, calls = capture_ssd_calls(mixer, u)  # the tensors the layer hands its SSD
+        args = calls[0]
+        del out, calls
+        _sync(device)
+        t = dict(mode=mode, l2=l2, reps=reps, warmup=warmup)
+        mixer_t = timer(lambda: mixer(u), device, **t)
+        ssd_t = timer(lambda: mixer.ssd(*args), device, **t)
+        rest_t = None
+        if rest:
+            with ssd_replaced(mixer, _stub_ssd):
+                rest_t = timer(lambda: mixer(u), device, **t)
+    row = dict(backend=backend, dims=list(config.ssd_dims(batch, seqlen)),
+               d_model=config.d_model, chunk_size=mixer.ssd.chunk_size, dtype=config.dtype,
+               mixer_ms=mixer_t["median_ms"], ssd_ms=ssd_t["median_ms"],
+               share=ssd_t["median_ms"] / mixer_t["median_ms"], gate_rel_err=err,
+               timer=mixer_t["timer"], mode=mixer_t["mode"], l2=mixer_t["l2"], reps=reps,
+               mixer=_quantiles(mixer_t), ssd=_quantiles(ssd_t))
+    if rest_t is not None:
+        row.update(rest_ms=rest_t["median_ms"],
+                   share_by_rest=1 - rest_t["median_ms"] / mixer_t["median_ms"],
+                   rest=_quantiles(rest_t))
+    return row
+
+
+def _quantiles(stats):
+    return {k: stats[k] for k in ("median_ms", "q20_ms", "q80_ms", "min_ms")}
+
+
+def prefill(stack_config, n_layers, batch, seqlen, backend, reps=10, *, mode="graph",
+            l2="flushed", warmup=2, seed=0, device=None, measure_ssd=True, stack=None,
+            chunk_size=None) -> dict:
+    """Prefill latency of a stack of ``n_layers`` mixers over (batch, seqlen) tokens.
+
+    Args:
+        stack_config: a ``Mamba2Config``; n_layers: the depth.
+        backend, reps, mode, l2, warmup, seed, device: as :func:`ssd_share`.
+        measure_ssd: also time layer 0's SSD call alone (captured with a hook) and report
+            the stack's share in SSD, n_layers * ssd_ms_per_layer / latency (every layer's
+            SSD has the same shape, so one layer's time stands for each).
+        stack: an existing ``Mamba2Stack`` to reuse (its backend is set to ``backend``).
+        chunk_size: the chunk size every layer's SSD is called with (default the config's).
+    Returns:
+        dict with latency_ms (median of the whole forward), tokens_per_s = batch * seqlen /
+        latency, quantiles, and with measure_ssd ssd_ms_per_layer, ssd_ms_total, ssd_share;
+        peak_mem_gib on a GPU.
+    """
+    import torch
+
+    from ..layer import Mamba2Stack, capture_ssd_calls
+
+    device = _device(device)
+    if stack is None:
+        stack = Mamba2Stack(stack_config, n_layers, backend, device=device, seed=seed)
+    stack_config, n_layers = stack.config, len(stack.mixers)
+    stack.set_backend(backend, chunk_size or stack_config.chunk_size)
+    u = _inputs(stack_config, batch, seqlen, device, seed + 1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        _tune_on(backend, lambda: stack(u), device)
+        out, calls = capture_ssd_calls(stack, u, limit=1)  # keep only layer 0's tensors
+        if not torch.isfinite(out).all():
+            raise GateFailed(f"{backend}: the stack's output is not finite")
+        args = calls[0]
+        del out, calls
+        t = dict(mode=mode, l2=l2, reps=reps, warmup=warmup)
+        total = timer(lambda: stack(u), device, **t)
+        ssd_t = timer(lambda: stack.mixers[0].ssd(*args), device, **t) if measure_ssd else None
+    latency = total["median_ms"]
+    row = dict(backend=backend, n_layers=n_layers, batch=batch, seqlen=seqlen,
+               tokens=batch * seqlen, d_model=stack_config.d_model,
+               dims=list(stack_config.ssd_dims(batch, seqlen)),
+               chunk_size=stack.mixers[0].ssd.chunk_size, dtype=stack_config.dtype, latency_ms=latency,
+               tokens_per_s=batch * seqlen / (latency * 1e-3), latency=_quantiles(total),
+               timer=total["timer"], mode=total["mode"], l2=total["l2"], reps=reps)
+    if ssd_t is not None:
+        ssd_total = n_layers * ssd_t["median_ms"]
+        row.update(ssd_ms_per_layer=ssd_t["median_ms"], ssd_ms_total=ssd_total,
+                   ssd_share=ssd_total / latency)
+    if device.type == "cuda":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return row
+
+
+# ----------------------------------------------------------------------------- sweep
+
+
+def _free(device):
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _failure(exc) -> str:
+    return f"{type(exc).__name__}: {exc}"[:400]
+
+
+#: The fields that identify a row of each part (a rerun replaces rows with the same key).
+ROW_KEYS = {"share": ("shape", "backend"), "prefill": ("config", "n_layers", "batch", "seqlen",
+                                                       "backend")}
+
+
+def _amdahl_of(part_name, rows):
+    if part_name == "share":
+        return amdahl_rows(rows)
+    return amdahl_rows(rows, key=("config", "n_layers", "batch", "seqlen"), total="latency_ms",
+                       part="ssd_ms_total")
+
+
+def merge(old: dict, new: dict) -> dict:
+    """Merge a new payload into a recorded one: per part, rows of the new run replace the old
+    rows with the same :data:`ROW_KEYS` key, other old rows are kept (so a sweep can be split
+    over several commands); failures likewise; settings, skipped and environment are the new
+    run's; ``amdahl`` is recomputed over the merged rows."""
+    out = {k: v for k, v in old.items() if k in ROW_KEYS}
+    for name, part in new.items():
+        if name not in ROW_KEYS:
+            continue
+        key = ROW_KEYS[name]
+        prev = old.get(name) or {}
+        fresh = {tuple(r.get(k) for k in key) for r in part["rows"]}
+        fresh |= {tuple(f.get(k) for k in key) for f in part["failures"]}
+        rows = [r for r in prev.get("rows", []) if tuple(r.get(k) for k in key) not in fresh]
+        fails = [f for f in prev.get("failures", []) if tuple(f.get(k) for k in key) not in fresh]
+        rows += part["rows"]
+        out[name] = dict(part, rows=rows, failures=fails + part["failures"],
+                         amdahl=_amdahl_of(name, rows))
+    out["environment"] = new.get("environment", old.get("environment"))
+    return out
+
+
+def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_GRID, *,
+        parts=("share", "prefill"), reps=20, prefill_reps=10, mode="graph", l2="flushed",
+        n_layers=None, chunk_size=256, chunk_sizes=None, dtype="bfloat16", device=None,
+        out=None, progress=True) -> dict:
+    """Measure the mixer share at every shape and the prefill grid, for every backend.
+
+    Args:
+        shapes: ``ssd.tools.bench.Shape`` list; each becomes the mixer whose SSD has its h, p, n, g
+            (``ssd.layer.config_for_shape``), run at its batch and seqlen.
+        backends: SSD backends; one that cannot run here is recorded under ``skipped``.
+        prefill_grid: (config, batch, seqlen) triples; config is a preset name (weights in
+            ``dtype``) or a ``Mamba2Config`` (used as is).
+        parts: which of "share" and "prefill" to run.
+        reps, prefill_reps, mode, l2: timing settings (see :func:`timer`).
+        n_layers: stack depth; None takes ``PRESET_LAYERS`` for a preset name (else 2).
+        chunk_size, dtype: of the mixers built from ``shapes`` (the layer's configuration).
+        chunk_sizes: {backend: chunk size} for backends whose SSD is called with another
+            chunk size than the layer's (each at its fastest, say); the rows record the one used.
+        device: default "cuda" when available.
+        out: path of the JSON to write, merged into an existing file (:func:`merge`); None
+            writes nothing.
+    Returns:
+        {"share": {...}, "prefill": {...}, "environment": ...} (the merged payload when
+        ``out`` is given); each part holds rows, failures, skipped, settings, its
+        environment, and ``amdahl`` (predicted vs measured speedup of NEW over BASE).
+    """
+    from ..layer import (PRESET_LAYERS, BackendUnavailable, Mamba2Mixer, Mamba2Stack,
+                         backend_function, config_for_shape, preset)
+
+    device = _device(device)
+    env = environment()
+    chunks = dict(chunk_sizes or {})
+    if unknown := set(chunks) - set(backends):
+        raise ValueError(f"chunk_sizes names backends that are not run: {sorted(unknown)}")
+    usable, skipped = [], {}
+    for b in backends:
+        try:
+            backend_function(b)
+            usable.append(b)
+        except BackendUnavailable as exc:
+            skipped[b] = str(exc)
+    tasks = []
+    if usable and "share" in parts:
+        tasks += [("share", s) for s in shapes]
+    if usable and "prefill" in parts:
+        tasks += [("prefill", p) for p in prefill_grid]
+    share_rows, share_fail, pre_rows, pre_fail = [], [], [], []
+    stacks = {}  # (config, depth) -> the stack, reused over batch/seqlen points and backends
+    for kind, task in (_progress(tasks, "endtoend") if progress else tasks):
+        if kind == "share":
+            shape = task
+            config = config_for_shape(shape, chunk_size=chunk_size, dtype=dtype)
+            mixer = None  # one set of weights for every backend
+            for backend in usable:
+                try:
+                    if mixer is None:
+                        mixer = Mamba2Mixer(config, backend, device=device, seed=0)
+                    row = ssd_share(config, shape.b, shape.l, backend, reps, mode=mode, l2=l2,
+                                    device=device, mixer=mixer, chunk_size=chunks.get(backend))
+                    share_rows.append(dict(shape=shape.name, **row))
+                except Exception as exc:  # a backend that fails is a result, not a crash
+                    share_fail.append(dict(shape=shape.name, backend=backend,
+                                           error=_failure(exc)))
+                _free(device)
+            del mixer
+            _free(device)
+            continue
+        name, batch, seqlen = task
+        config = preset(name, dtype=dtype) if isinstance(name, str) else name
+        label = name if isinstance(name, str) else f"d{config.d_model}-n{config.d_state}"
+        depth = n_layers or (PRESET_LAYERS.get(name, 2) if isinstance(name, str) else 2)
+        ident = dict(config=label, n_layers=depth, batch=batch, seqlen=seqlen)
+        if (config, depth) not in stacks:
+            stacks.clear()  # one stack in memory at a time
+            _free(device)
+            try:
+                stacks[(config, depth)] = Mamba2Stack(config, depth, usable[0], device=device,
+                                                      seed=0)
+            except Exception as exc:
+                pre_fail += [dict(ident, backend=b, error=_failure(exc)) for b in usable]
+                continue
+        for backend in usable:
+            try:
+                row = prefill(config, depth, batch, seqlen, backend, prefill_reps, mode=mode,
+                              l2=l2, device=device, stack=stacks[(config, depth)],
+                              chunk_size=chunks.get(backend))
+                pre_rows.append(dict(config=label, **row))
+            except Exception as exc:
+                pre_fail.append(dict(ident, backend=backend, error=_failure(exc)))
+            _free(device)
+    stacks.clear()
+    _free(device)
+    cuda = device.type == "cuda"
+    settings = dict(reps=reps, mode=mode if cuda else "eager", l2=l2 if cuda else "n/a",
+                    dtype=dtype, chunk_size=chunk_size, statistic="median",
+                    **(dict(chunk_sizes=chunks) if chunks else {}),
+                    timer="CUDA events (ssd.tools.bench.time_fn)" if cuda else "perf_counter (CPU)",
+                    flush_bytes=512 * 2**20 if (cuda and l2 == "flushed") else 0)
+    payload = {}
+    if "share" in parts:
+        payload["share"] = dict(rows=share_rows, failures=share_fail, skipped=skipped,
+                                settings=settings, environment=env,
+                                amdahl=_amdahl_of("share", share_rows))
+    if "prefill" in parts:
+        payload["prefill"] = dict(rows=pre_rows, failures=pre_fail, skipped=skipped,
+                                  settings=dict(settings, reps=prefill_reps), environment=env,
+                                  amdahl=_amdahl_of("prefill", pre_rows))
+    payload["environment"] = env
+    if out is not None:
+        out = Path(out)
+        if out.is_file():
+            payload = merge(json.loads(out.read_text()), payload)
+        write_json(out, payload)
+    return payload
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def report(payload, file=None):
+    """Print the share and prefill tables, and Amdahl's prediction next to the measurement."""
+    p = lambda *a: print(*a, file=file or sys.stdout)  # noqa: E731
+    share, pre = payload.get("share") or {}, payload.get("prefill") or {}
+    if share.get("rows"):
+        p("\nshape            backend      mixer ms   ssd ms   rest ms   share  1-rest/mixer")
+        for r in share["rows"]:
+            p(f"{r['shape']:16s} {r['backend']:10s} {r['mixer_ms']:9.3f} {r['ssd_ms']:8.3f} "
+              f"{r.get('rest_ms', math.nan):9.3f}  {r['share']:6.1%}  "
+              f"{r.get('share_by_rest', math.nan):6.1%}")
+        for a in share.get("amdahl", []):
+            p(f"{a['shape']:16s} {a['new']} SSD {a['kernel_speedup']:.2f}x {a['base']}'s at "
+              f"share {a['share']:.1%}: Amdahl predicts {a['predicted']:.3f}x, measured "
+              f"{a['measured']:.3f}x (bound {a['max_possible']:.2f}x)")
+    if pre.get("rows"):
+        p("\nconfig         layers batch seqlen backend     latency ms   tokens/s   ssd share")
+        for r in pre["rows"]:
+            p(f"{r['config']:14s} {r['n_layers']:6d} {r['batch']:5d} {r['seqlen']:6d} "
+              f"{r['backend']:10s} {r['latency_ms']:11.3f} {r['tokens_per_s']:10.0f}   "
+              f"{r.get('ssd_share', math.nan):6.1%}")
+        for a in pre.get("amdahl", []):
+            p(f"{a['config']} b={a['batch']} l={a['seqlen']}: share {a['share']:.1%}, SSD "
+              f"{a['kernel_speedup']:.2f}x: predicted {a['predicted']:.3f}x, measured "
+              f"{a['measured']:.3f}x")
+    for f in share.get("failures", []) + pre.get("failures", []):
+        p("FAILED", f)
+    for name, why in {**share.get("skipped", {}), **pre.get("skipped", {})}.items():
+        p("SKIPPED", why)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ssd.tools.endtoend",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=[*SUITES, "smoke"], default="models",
+                        help="shapes of the share measurement (smoke: CPU-sized, with a tiny "
+                             "prefill)")
+    parser.add_argument("--backend", action="append", help="cutile, mamba_ssm, torch "
+                        "(repeatable; default cutile and mamba_ssm)")
+    parser.add_argument("--only", choices=["share", "prefill"], help="run one part")
+    parser.add_argument("--configs", help="prefill presets, comma-separated (default: "
+                        "130m,2.7b,codestral-7b)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--prefill-reps", type=int, default=10)
+    parser.add_argument("--layers", type=int, help="stack depth (default: the published model's)")
+    parser.add_argument("--mode", choices=["graph", "eager"], default="graph")
+    parser.add_argument("--l2", choices=["flushed", "warm"], default="flushed")
+    parser.add_argument("--quick", action="store_true", help="a smaller prefill grid")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="default bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--out", help="output JSON, merged into an existing one (default "
+                        "results/<gpu>/endtoend.json)")
+    parser.add_argument("--chunk-size", action="append", metavar="BACKEND=Q", default=[],
+                        help="call BACKEND's SSD at chunk size Q instead of the layer's 256 "
+                             "(repeatable; e.g. cutile=128, each backend at its fastest)")
+    args = parser.parse_args(argv)
+    chunk_sizes = {}
+    for spec in args.chunk_size:
+        backend, _, q = spec.partition("=")
+        if not q.isdigit():
+            parser.error(f"--chunk-size {spec!r}: expected BACKEND=Q, e.g. cutile=128")
+        chunk_sizes[backend] = int(q)
+
+    from ..layer import config_for_shape
+
+    device = _device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    shapes, chunk = SUITES.get(args.suite), 256
+    grid = QUICK_PREFILL_GRID if args.quick else PREFILL_GRID
+    if args.configs:
+        names = args.configs.split(",")
+        grid = [g for g in grid if g[0] in names]
+    if args.suite == "smoke":
+        shapes, chunk = list(SMOKE_SHAPES), SMOKE_CHUNK
+        smoke = config_for_shape(SMOKE_SHAPES[0], chunk_size=chunk, dtype=dtype)
+        grid = [(smoke, 1, SMOKE_SHAPES[0].l)]
+    parts = (args.only,) if args.only else ("share", "prefill")
+    out = (Path(args.out) if args.out
+           else ROOT / "results" / gpu_slug(environment()) / "endtoend.json")
+    payload = run(shapes, tuple(args.backend or SHARE_BACKENDS), grid, parts=parts,
+                  reps=args.reps, prefill_reps=args.prefill_reps, mode=args.mode, l2=args.l2,
+                  n_layers=args.layers, chunk_size=chunk, chunk_sizes=chunk_sizes, dtype=dtype,
+                  device=device, out=out)
+    report(payload)
+    print(f"[endtoend] wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""The environment record stored with every GPU result (tests, benchmarks, notebooks).
+
+A number is only reproducible with the machine and software that produced it, so every JSON
+file under ``results/`` carries :func:`environment`: GPU, SM count, clocks, driver, CUDA and
+tileiras, cuda-tile, torch, triton, mamba_ssm and tilegym versions, git revision and date.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+from . import doctor
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git_revision() -> str | None:
+    """Short git revision (+"-dirty"), or the file ``.revision`` when it exists.
+
+    The file wins because the GPU machine gets a copy of the working tree whose ``.git`` (when
+    it has one at all) is not the sender's: a stale one there reported an old commit as
+    "-dirty" for a whole session. The sender writes ``.revision`` right after committing
+    (``git rev-parse --short=12 HEAD > .revision``); it is git-ignored.
+    """
+    stamp = ROOT / ".revision"
+    sent = stamp.read_text().strip() if stamp.is_file() else ""
+    if sent:
+        return sent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               text=True, capture_output=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("-dirty" if dirty else "")) if rev else None
+
+
+def _nvidia_smi(fields: str) -> list[str] | None:
+    out = doctor._run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"])
+    return [v.strip() for v in out.splitlines()[0].split(",")] if out else None
+
+
+def environment() -> dict:
+    """Everything that identifies where and with what a result was measured."""
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_revision": _git_revision(),
+        "python": platform.python_version(),
+        "cuda_tile": doctor._dist_version("cuda-tile"),
+        "tileiras": doctor.locate_toolchain().tileiras.version,
+        "mamba_ssm": _mamba_ssm_version(),
+        "tilegym": doctor._dist_version("tilegym"),
+    }
+    try:
+        import torch
+        import triton
+
+        env.update(torch=torch.__version__, torch_cuda=torch.version.cuda, triton=triton.__version__)
+        if torch.cuda.is_available():
+            prop = torch.cuda.get_device_properties(0)
+            env.update(gpu=prop.name, sm_count=prop.multi_processor_count,
+                       compute_capability=f"{prop.major}.{prop.minor}")
+    except ImportError:
+        pass
+    smi = _nvidia_smi("driver_version,clocks.sm,clocks.max.sm,clocks.mem,clocks.max.mem,power.limit")
+    if smi:
+        keys = ("driver", "sm_clock_mhz", "sm_clock_max_mhz", "mem_clock_mhz", "mem_clock_max_mhz",
+                "power_limit_w")
+        env.update(dict(zip(keys, smi)))
+    return env
+
+
+def _mamba_ssm_version() -> str | None:
+    from .peers import mamba_ssm_version
+
+    return mamba_ssm_version()
+
+
+def gpu_slug(env: dict) -> str:
+    """The results/ subfolder for a GPU: 'NVIDIA H200' -> 'h200', 'NVIDIA A100-SXM4-80GB' ->
+    'a100', 'NVIDIA GeForce RTX 5090' -> '5090'; 'cpu' without a GPU."""
+    words = [w for w in (env.get("gpu") or "cpu").lower().replace("-", " ").split()
+             if w not in ("nvidia", "geforce", "rtx", "tesla")]
+    return words[0] if words else "gpu"
+
+
+def write_json(path: Path | str, payload) -> Path:
+    """Write ``payload`` as JSON, one record to a line (see :func:`dumps`)."""
+    path = Path(path)  # --out arguments arrive as strings
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(dumps(payload) + "\n")
+    return path
+
+
+def dumps(obj, depth: int = 0) -> str:
+    """JSON with nesting indented one space a level, except that a dict or list holding only
+    scalars (or lists of scalars) takes one line: a recording's records, rows and settings read
+    one to a line, and the files stay small (the GPU machine's carried tree is capped)."""
+    flat = lambda v: not isinstance(v, (dict, list)) or (  # noqa: E731
+        isinstance(v, list) and not any(isinstance(x, (dict, list)) for x in v))
+    pad = " " * (depth + 1)
+    if isinstance(obj, dict) and not all(flat(v) for v in obj.values()):
+        items = (f"{pad}{json.dumps(k)}: {dumps(v, depth + 1)}" for k, v in obj.items())
+        return "{\n" + ",\n".join(items) + "\n" + " " * depth + "}"
+    if isinstance(obj, list) and not all(flat(v) for v in obj):
+        return "[\n" + ",\n".join(pad + dumps(v, depth + 1) for v in obj) + "\n" + " " * depth + "]"
+    return json.dumps(obj)
