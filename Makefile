@@ -1,6 +1,7 @@
 # make book: build the book into _build/html (own venv, .venv-book, with .[book]).
-# make test: every CPU test: pytest on tests/, nbval on notebooks/, the book build with -W
-#            (own venv, .venv, with .[test,book]). This is what CI runs (.ci/run).
+# make test: every CPU test: pytest on tests/, nbval on notebooks/, the book build with -W, its
+#            pages in headless Chromium (own venv, .venv, with .[test,book]). This is what CI
+#            runs (.ci/run).
 # Each venv is made once; a stamp file inside it, newer than pyproject.toml, skips reinstalling.
 
 PYTHON    ?= python3
@@ -23,7 +24,7 @@ NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
 
-test: test-py test-nb test-book
+test: test-py test-nb test-book test-browser
 
 test-py: $(VENV)/.stamp
 	$(VENV)/bin/python -m pytest -m "not gpu" tests/
@@ -38,6 +39,13 @@ endif
 # --all: as a test, build from scratch (an incremental build keeps pages whose source is gone)
 test-book: $(VENV)/.stamp
 	$(VENV)/bin/jupyter-book build . $(BOOK_FLAGS) --all
+
+# The built book in headless Chromium (Debian's chromium package, driven by Playwright): every
+# page loads offline, MathJax typesets, images load, no unresolved reference, no code line wider
+# than the page. .ci/run installs chromium where it is missing.
+.PHONY: test-browser
+test-browser: test-book
+	$(VENV)/bin/python -m ssd.book.browser_check _build/html
 
 $(VENV)/.stamp: pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)

@@ -14,12 +14,14 @@ build folder is refused and reported) it checks that
   ``{ref}``, ``{numref}`` in the text, no ``??`` as link text, no Python repr where a glued value
   should be (``<Figure size ...>``); links to other pages of the book (and their #anchors) exist;
 - no code line is wider than the page: no ``<pre>`` block (code cell, output or code in prose)
-  whose content is wider than its box (``scrollWidth > clientWidth``), at a 1280x1000 window.
+  whose content is wider than its box (``scrollWidth > clientWidth``), in a 1440x1000 window,
+  where the theme's text column is at its widest.
 
 Why a width in pixels and not a number of characters: what a reader meets is a scroll bar, and
-whether a line gets one depends on the theme's column, the font and the window, which the browser
-knows and a character count only approximates. 1280 px is a common laptop window; the reported
-line length in characters tells how much to cut.
+whether a line gets one depends on the theme's column and the font, which the browser knows and
+a character count only approximates. The first line printed says how many characters the code
+column holds (89 with Debian's fonts: keep code, and library source shown in a chapter, within
+88), and each wide block is reported with its longest line's length.
 
 Prints one line per page and a summary; exits 1 if any page fails (saying what failed), 2 if no
 browser can be started. Needs the Python package ``playwright`` and a Chromium: Debian's
@@ -38,7 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-WINDOW = (1280, 1000)
+#: The window: 1440 px is where the theme's text column reaches its widest (at 1024 to 1439 px the
+#: page's table of contents takes a column beside it, below 1024 the layout is a phone's), so a
+#: code line that scrolls here scrolls on every screen.
+WINDOW = (1440, 1000)
 PAGE_TIMEOUT_MS = 60_000
 #: Folders of a Sphinx build that hold assets, not pages.
 ASSET_DIRS = {"_static", "_images", "_sources", "_downloads", ".doctrees"}
@@ -51,6 +56,14 @@ RAW_MYST = re.compile(r"\{(?:glue(?::[a-z]+)?|ref|numref|eq|doc|cite(?::[a-z]+)?
                       r"|math|abbr|sub-ref)\}`?|```\{|\{\{[^}]*\}\}")
 #: A Python repr where a glued value or a figure should be.
 REPR = re.compile(r"<(?:Figure size|matplotlib\.|IPython\.core\.display\.|pandas\.io\.formats)")
+
+#: Script errors that are the toolchain's, not the book's, and change nothing a reader sees:
+#: sphinx-thebe 0.3.1 under Jupyter Book 1.0.x writes its inline config script
+#: (``const THEBE_JS_URL = ...``) twice into every page, and the second declaration throws.
+#: Thebe (live code through Binder) is not used by this book.
+KNOWN_SCRIPT_ERRORS = re.compile(r"Identifier 'THEBE_JS_URL' has already been declared")
+#: A page that only redirects (Jupyter Book's index.html): its target is checked, not it.
+REDIRECT = re.compile(r'<meta\s+http-equiv="refresh"\s+content="\d+;\s*url=([^"]+)"', re.I)
 
 # Evaluated in the page once it has loaded: waits for MathJax and the images, then measures.
 _MEASURE_JS = r"""
@@ -94,6 +107,16 @@ async () => {
   out.ids = [...document.querySelectorAll('[id]')].map(e => e.id)
       .concat([...document.querySelectorAll('a[name]')].map(e => e.name));
   // Code wider than its box, for blocks a reader can see.
+  out.columnChars = null;
+  const first = [...document.querySelectorAll('pre')].find(p => p.offsetParent);
+  if (first) {
+    const cs = getComputedStyle(first);
+    const ctx = document.createElement('canvas').getContext('2d');
+    ctx.font = cs.font;
+    const cw = ctx.measureText('0'.repeat(100)).width / 100;
+    const pad = parseFloat(cs.paddingLeft) + parseFloat(cs.paddingRight);
+    out.columnChars = Math.floor((first.clientWidth - pad) / cw);
+  }
   out.pre = 0;
   out.wide = [];
   for (const pre of document.querySelectorAll('pre')) {
@@ -119,6 +142,7 @@ class PageResult:
     summary: str = ""
     links: list[str] = field(default_factory=list)
     ids: set[str] = field(default_factory=set)
+    column_chars: int | None = None
 
 
 def find_pages(root: Path) -> list[Path]:
@@ -151,8 +175,9 @@ def _text_problems(text: str) -> list[str]:
     return problems
 
 
-def check_page(page, path: Path, root: Path) -> PageResult:
-    """Load one page in a Playwright ``page`` and return what is wrong with it."""
+def check_page(page, path: Path, root: Path, show: int = 3) -> PageResult:
+    """Load one page in a Playwright ``page`` and return what is wrong with it (at most ``show``
+    examples of each kind)."""
     rel = str(path.relative_to(root))
     res = PageResult(rel)
     errors: list[str] = []
@@ -162,7 +187,19 @@ def check_page(page, path: Path, root: Path) -> PageResult:
         if req.url.startswith("file:"):
             failed.append(unquote(urlsplit(req.url).path))
 
-    page.on("pageerror", lambda exc: errors.append(str(exc).splitlines()[0][:120]))
+    def on_page_error(exc):
+        msg = str(exc).splitlines()[0][:120]
+        if not KNOWN_SCRIPT_ERRORS.search(msg):
+            errors.append(msg)
+
+    head = path.read_text(encoding="utf-8", errors="replace")[:4000]
+    if redirect := REDIRECT.search(head):
+        target = (path.parent / unquote(urlsplit(redirect.group(1)).path)).resolve()
+        res.summary = f"redirects to {os.path.relpath(target, root)}"
+        if not target.is_file():
+            res.problems.append(f"redirects to a missing page: {redirect.group(1)}")
+        return res
+    page.on("pageerror", on_page_error)
     page.on("requestfailed", on_request_failed)
     try:
         page.goto(path.resolve().as_uri(), wait_until="load", timeout=PAGE_TIMEOUT_MS)
@@ -193,11 +230,12 @@ def check_page(page, path: Path, root: Path) -> PageResult:
     p.extend(_text_problems(m["text"]))
     if m["badLinks"]:
         p.append(f"links shown as '??' (unresolved reference): {m['badLinks'][:3]}")
-    for w in m["wide"][:3]:
+    for w in m["wide"][:show]:
         p.append(f"{w['kind']} {w['over']} px wider than the page ({w['chars']} characters): "
                  f"{w['line']!r}")
-    if len(m["wide"]) > 3:
-        p.append(f"... {len(m['wide']) - 3} more wide blocks")
+    if len(m["wide"]) > show:
+        p.append(f"... {len(m['wide']) - show} more wide blocks (-v lists them)")
+    res.column_chars = m["columnChars"]
     res.links = m["links"]
     res.ids = set(m["ids"])
     res.summary = (f"math {m['mjx']}/{m['math']}, images {m['images']}, code blocks {m['pre']}")
@@ -215,7 +253,7 @@ def check_links(results: list[PageResult], root: Path) -> None:
             target = Path(unquote(url.path))
             if not target.exists():
                 missing.add(os.path.relpath(target, root))
-            elif url.fragment and (t := by_path.get(target.resolve())) and t.summary \
+            elif url.fragment and (t := by_path.get(target.resolve())) and t.ids \
                     and unquote(url.fragment) not in t.ids:
                 missing.add(f"{os.path.relpath(target, root)}#{url.fragment}")
         if missing:
@@ -250,11 +288,11 @@ class Browser:
             self._offline.append(r.request.url)
             r.abort()
 
-    def check(self, path: Path, root: Path) -> PageResult:
+    def check(self, path: Path, root: Path, show: int = 3) -> PageResult:
         self._offline = []
         page = self.context.new_page()
         try:
-            res = check_page(page, path, root)
+            res = check_page(page, path, root, show)
         finally:
             page.close()
         if self._offline:
@@ -280,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the built book (default: _build/html)")
     ap.add_argument("pages", nargs="*", help="only these pages (paths relative to HTML)")
     ap.add_argument("--browser", help="Chromium executable (default: $CHROMIUM, Debian's chromium)")
+    ap.add_argument("-v", "--verbose", action="store_true", help="list every wide code block")
     args = ap.parse_args(argv)
     root: Path = args.html.resolve()
     pages = [root / p for p in args.pages] if args.pages else find_pages(root)
@@ -305,8 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"browser_check: {len(pages)} pages under {root}, Chromium "
               f"{browser.browser.version} ({exe or 'Playwright default'}), window "
               f"{WINDOW[0]}x{WINDOW[1]}", flush=True)
-        results = [browser.check(path, root) for path in pages]
+        show = 10**6 if args.verbose else 3
+        results = [browser.check(path, root, show) for path in pages]
     check_links(results, root)
+    columns = sorted({r.column_chars for r in results if r.column_chars})
+    if columns:
+        print(f"browser_check: code column {'-'.join(map(str, columns[::len(columns) - 1 or 1]))} "
+              f"characters wide")
     failed = [r for r in results if r.problems]
     for r in results:
         print(f"{'FAIL' if r.problems else 'ok  '} {r.page}  {r.summary}")
