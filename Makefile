@@ -19,7 +19,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym gpu-tilegym-replay clean
+.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -27,7 +27,7 @@ book: $(BOOK_VENV)/.stamp
 test: test-py test-nb test-book test-browser
 
 test-py: $(VENV)/.stamp
-	$(VENV)/bin/python -m pytest -m "not gpu" tests/
+	$(VENV)/bin/python -m pytest -m "not gpu" -n auto tests/
 
 test-nb: $(VENV)/.stamp
 ifneq ($(NOTEBOOKS),)
@@ -60,60 +60,44 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 	$(BOOK_VENV)/bin/python -m pip install -q -e '.[book]'
 	touch $@
 
-# make gpu: on a GPU machine, in an environment with .[gpu,test] installed, regenerate every GPU
-# number in the book: the GPU tests (results/<gpu>/gpu_tests.json), the benchmark suites and the
-# tiling study (results/<gpu>/<suite>.json), the first-call compile times, the complete-job
-# measurements, then re-execute the GPU chapters so their stored outputs and recordings come from
-# this run. Needs a GPU; CI never runs it. About half an hour on an H200, in four parts of 4 to
-# over 10 minutes (make gpu-check, gpu-bench, gpu-study, gpu-results; the study, which compiles
-# every point it times, took over 7 minutes on a fresh machine) for machines that cap a
-# command's time: the GPU tests run in one process per CPU core (pytest-xdist) because compiling
-# the kernel variants they use dominates; the repetition counts and the prefill grid (8-layer
-# stacks, the quick grid) are the ones the recorded results/h200 files were made with, so a run
-# here is comparable with them line for line (python -m ssd.tools.endtoend without options sweeps the
-# full grid at the published depths). The layer calls our SSD at 64, its fastest chunk size on
-# four of the five models shapes (results/h200/models.json; the suites time ours, like mamba_ssm,
-# at 64, 128 and 256 and count its fastest), and mamba_ssm's at the layer's 256, its fastest on all
-# five.
+# make gpu: on a GPU machine, in an environment with .[gpu,test] installed, record every GPU
+# number the book reads, all at one revision (commit first: each recording names it), then
+# execute the GPU chapters so their stored outputs come from the same run. Four parts, each
+# under ten minutes on an H200, for machines that cap a command's time:
+#   gpu-check    the GPU tests (results/<gpu>/gpu_tests.json, gpu_mixer_tests.json; one process
+#                per core, since compiling the kernel variants dominates) and first calls
+#   gpu-bench    the models suite against mamba_ssm and TileGym, and TileGym tuned replayed
+#   gpu-study    the layout study and the SSD's share of the Mamba-2 layer
+#   gpu-results  chapters 04-08 executed (they time kernels live and record what they show)
+# The layer calls our SSD at chunk 64 and mamba_ssm's at 256, each one's fastest on most
+# models shapes (chapter 10).
 GPU_PYTHON ?= python3
 gpu: gpu-check gpu-bench gpu-study gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
-	$(GPU_PYTHON) -m pytest -m gpu -n auto tests/
+	$(GPU_PYTHON) -m pytest -m gpu -n auto -q tests/
 	$(GPU_PYTHON) -m ssd.tools.bench --suite first-call
 gpu-bench:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30
-	$(GPU_PYTHON) -m ssd.tools.bench --suite serving --reps 30
-	$(GPU_PYTHON) -m ssd.tools.bench --suite seqlen --reps 30 --quick
+	$(GPU_PYTHON) -m ssd.tools.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 \
+	  --tilegym-replay --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/tilegym_replayed.json
 gpu-study:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite study --reps 20
 	$(GPU_PYTHON) -m ssd.tools.endtoend --only share --reps 10 --chunk-size cutile=64
-	$(GPU_PYTHON) -m ssd.tools.endtoend --only prefill --quick --layers 8 --prefill-reps 5 --chunk-size cutile=64
 gpu-results:
-	$(GPU_PYTHON) -m ssd.book.run '0[4-9]*.ipynb' '1[0-9]*.ipynb'
+	$(GPU_PYTHON) -m ssd.book.run '0[4-8]*.ipynb'
 
-# make gpu-tilegym: TileGym's tuned mode beside ours, one process per models shape, each written
-# to results/<gpu>/tilegym_tuned/<shape>.json with TileGym's chosen configurations. Not part of
-# make gpu: TileGym tunes every shape exhaustively, about 2.5-3 minutes a shape on an H200 (tuning time
-# in first_call_s, never in the steady-state times).
+# make gpu-tilegym: TileGym's own autotuner on each models shape (an exhaustive search, minutes a
+# shape), its chosen configurations kept in results/tilegym_tuned.json for gpu-bench to replay.
+# Not part of make gpu: tune again only for a new TileGym version or another GPU.
 TILEGYM_SHAPES ?= 2.7b 130m long-16k small-state codestral-7b
+TILEGYM_RUNS ?= _build/tilegym-runs
 gpu-tilegym:
-	gpu=$$($(GPU_PYTHON) -c 'from ssd.tools.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
 	for s in $(TILEGYM_SHAPES); do \
 	  $(GPU_PYTHON) -m ssd.tools.bench --suite models --shapes $$s --impl ssd --impl tilegym_tuned --quick \
-	    --reps 30 --out results/$$gpu/tilegym_tuned/$$s.json || exit 1; \
+	    --reps 30 --out $(TILEGYM_RUNS)/$$s.json || exit 1; \
 	done
-
-# make gpu-tilegym-replay: TileGym tuned beside ours in one process for the models shapes, each
-# with the configurations TileGym's search chose in results/<gpu>/tilegym_tuned/<shape>.json (make
-# gpu-tilegym) instead of searching again: about a minute instead of a quarter of an hour, so our
-# kernels can be set beside TileGym tuned at every revision. Written to
-# results/<gpu>/tilegym_replayed.json (records say tuning="replayed"; the tuning time stays in the
-# searched files). The benchmark refuses to replay a run of another TileGym version: tune again.
-gpu-tilegym-replay:
-	gpu=$$($(GPU_PYTHON) -c 'from ssd.tools.env import environment, gpu_slug; print(gpu_slug(environment()))'); \
-	$(GPU_PYTHON) -m ssd.tools.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 \
-	  --tilegym-replay results/$$gpu/tilegym_tuned --out results/$$gpu/tilegym_replayed.json
+	$(GPU_PYTHON) -m ssd.tools.bench --tilegym-table $(TILEGYM_RUNS)
 
 clean:
 	rm -rf _build .jupyter_cache

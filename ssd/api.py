@@ -176,28 +176,33 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
             B, C, x, r["dt_out"], r["dA_cumsum"], D=D, z=z, initial_states=initial_states,
             config=config.fused_scan, out=_pair(out, "y", "final_states"))
         return r
-    groups = None
+    stage2_out = None
+    if "prev_states" in out and "final_states" in out:
+        buffers = (_passing.Groups(out["chunk_decay"], out["group_enter"],
+                                   _passing.chunks_per_group(r["dA_cumsum"].shape[2],
+                                                             config.state.groups))
+                   if "chunk_decay" in out and "group_enter" in out else None)
+        stage2_out = _passing.StageTwo(out["prev_states"], out["final_states"], buffers)
     if config.state.fused and config.state.groups > 1:
-        r["prev_states"], r["final_states"], groups = _passing.grouped_chunk_state_passing(
+        stage2 = _passing.grouped_chunk_state_passing(
             B, x, r["dt_out"], r["dA_cumsum"], initial_states=initial_states, seq_idx=seq_idx,
-            seq_last=seq_last, config=config.state,
-            out=_pair(out, "prev_states", "final_states") and (
-                out["prev_states"], out["final_states"], out.get("chunk_decay"), out.get("group_enter")))
-        r["chunk_decay"], r["group_enter"] = groups.chunk_decay, groups.group_enter
+            seq_last=seq_last, config=config.state, out=stage2_out)
+        r["chunk_decay"], r["group_enter"] = stage2.groups.chunk_decay, stage2.groups.group_enter
     elif config.state.fused:
-        r["prev_states"], r["final_states"] = _passing.chunk_state_passing(
+        stage2 = _passing.chunk_state_passing(
             B, x, r["dt_out"], r["dA_cumsum"], initial_states=initial_states, seq_idx=seq_idx,
-            seq_last=seq_last, config=config.state, out=_pair(out, "prev_states", "final_states"))
+            seq_last=seq_last, config=config.state, out=stage2_out)
     else:
         r["states"] = _state.chunk_state(B, x, r["dt_out"], r["dA_cumsum"], seq_idx=seq_idx,
                                          seq_last=seq_last, config=config.state,
                                          out=out.get("states"))
-        r["prev_states"], r["final_states"] = _passing.state_passing(
+        stage2 = _passing.state_passing(
             r["states"], r["dA_cumsum"], initial_states=initial_states, seq_last=seq_last,
-            config=config.state, out=_pair(out, "prev_states", "final_states"))
+            config=config.state, out=stage2_out)
+    r["prev_states"], r["final_states"] = stage2.prev_states, stage2.final_states
     r["y"] = _scan.chunk_scan(B, C, x, r["dt_out"], r["dA_cumsum"], r["prev_states"], D=D, z=z,
                               seq_idx=seq_idx, seq_last=seq_last, config=config.scan,
-                              out=out.get("y"), groups=groups)
+                              out=out.get("y"), groups=stage2.groups)
     return r
 
 

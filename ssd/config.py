@@ -225,102 +225,40 @@ _DEFAULTS = {
 MEASURED_ARCHS = (9,)
 
 
-# The fused stage-2 walk's parallelism is its block count, (b, h, state slices): below this
-# many blocks per SM the default takes narrower, untransposed state slices (twice the blocks).
+# The default rules. Each one names the figure of chapter 9 (notebooks/09_layout_tiling) that
+# measures it; tests/test_config.py pins each rule's bounds and tests/test_aot.py the compile
+# resources (registers, shared memory, no spill on sm_90) that make its occupancy hint hold.
+
+# Stage 2's fused walk fills the GPU with its (b, h, state slices) blocks; below this many blocks
+# a SM, narrower untransposed slices double the blocks. [fig-state-slicing]
 MIN_STAGE2_BLOCKS_PER_SM = 2
 NARROW_STATE = dict(block_n=32, transposed=False)
 
-# At chunk size 64, a problem whose fused stage-2 grid needs more than one wave of resident blocks
-# (2.7b: 4 x 80 x 2 slices = 640 blocks, 528 resident at four a SM on an H200) walks in two
-# rounds, the second a fifth full, each as long as the first. A whole state (up to 128 wide) per
-# block, transposed, read 32 positions a K step, halves the blocks; on sm_90 its walk over full
-# chunks compiles to 80 registers and about 52 KB of shared memory without spilling, so three
-# fit a SM (tests/test_aot.py checks it) and the grid runs in one wave. Measured on 2.7b at
-# chunk 64 (results/h200/screening/stop23/wide-state-2.7b.json): stage 2 0.71x the 64-wide
-# slices' time, the forward 0.86x the shipped forward at chunk 128. At chunk 128 the same slices
-# are slower (stage 2 1.33x), and on shapes whose grid fits one wave already they halve the
-# parallelism (codestral-7b, 130m: stage 2 1.13-1.22x at chunk 64), so the rule takes them only
-# where the default needs a second wave and they fit in one, at chunk 64, for a state of at most
-# 128 (one slice), on the measured architecture (sm_90), and only where the default states its
-# resident blocks (an occupancy hint). Not screened: a sequence whose last chunk is partial (its
-# walk takes a counted loop instead of the unrolled one; the GPU tests cover it).
+# At chunk 64, a stage-2 grid that needs a second wave of resident blocks but fits in one with
+# whole states (up to 128 wide, 32 positions a K step, three a SM) takes those. [fig-state-slicing]
 ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3, transposed=True)
 ONE_WAVE_CHUNK = 64
 
-# chunk_scan at chunk size 64: whole-chunk tiles of one head that load each tile once
-# (ScanConfig.shared), with an occupancy hint of 2 instead of the default's 3. On sm_90 they
-# compile to 128 registers without a spill in 1.2-1.4 s on a CPU (tests/test_aot.py checks
-# both; results/compile/sm_90_resources.json). Two heads a tile, one after another sharing C and
-# B, ran the forward at 0.951-0.978x the previous default's (two heads side by side in 64-row
-# tiles) on 130m, 2.7b, long-16k and codestral-7b (results/h200/screening/stop28/
-# shared-<shape>.json), and at 0.974-0.995x the time of one head in the layout study of a1ae9ed
-# (results/h200/study.json); the hint of 3 with one head (80 registers, no spill) at
-# 0.976-1.009x. But both compile for 6-9 s on a CPU, and with two heads a never-seen shape's
-# first call at chunk 64 took up to 14.6 s on the H200, over
-# the 10 s goal (results/h200/previous/models-03bab93.json); with one head at 2 it took at most
-# 3.9 s (results/h200/models.json). The hint of 2 alone was measured before
-# (results/h200/previous/study-ba74628.json: 1.017-1.019x faster than 3 at chunk 64, 64-row
-# tiles); at chunk 128 it is the slower one (the study of b1acfe0: 0.99x). The rule takes this at
-# 64 only, on the measured architecture, where the default states an occupancy, and not for
-# small states (their own whole-chunk tiles, below).
+# chunk_scan at chunk 64: whole-chunk tiles of one head, each tile loaded once, two blocks a SM;
+# one head keeps a never-seen shape's first compile in seconds. [fig-scan-tiles]
 CHUNK64_SCAN = dict(block_h=1, occupancy=2, whole_chunk=True, shared=True)
 CHUNK64 = 64
 
-# chunk_scan over a state of at most SMALL_STATE: one head per block, each persistent tile a
-# whole chunk (ScanConfig.whole_chunk) whose tiles are loaded once (ScanConfig.shared). On sm_90
-# this tile keeps the default's 80 registers without spilling and about 70 KB of shared memory
-# at chunk 128 (tests/test_aot.py checks it). Measured on small-state (results/h200/screening/
-# stop28/shared-small-state.json): loading each tile once took chunk_scan to 0.858x and the
-# forward to 0.897x the per-row-block whole-chunk tile at chunk 128, which was itself the
-# fastest point of its study (stop 27: 1.35x faster in chunk_scan than 64-row tiles there); two
-# heads a tile gained less (0.989x with the hint of 2, which it needs not to spill). At state 128
-# the whole-chunk tile at chunk 128 takes more registers and spills (two heads: 255 and a spill).
-# The rule was measured at chunk 64 and 128 only; at 256 it lost: small-state took 0.290 ms in
-# a1ae9ed's models run against 0.201 ms with the tiles that reload per row block (c754dc3's), and
-# its tile there compiles to 168 registers and a spill (the Performance chapters).
+# States of at most SMALL_STATE: whole-chunk chunk_scan tiles of one head, loaded once; at chunk
+# 128 two blocks a SM, at 256 back to 64-row tiles (the whole chunk spills there). [fig-scan-tiles]
 SMALL_STATE = 64
 SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
-# Small states at chunk 128 and 256 on sm_90 (stop 31's screen on small-state, a1ae9ed's kernels,
-# results/h200/screening/stop31/small-state.json; compiles timed for sm_90 on a CPU in stop 38):
-# at 128 the hint of 2 took 0.965x the time of the default's 3 (and 0.965x / 0.960x the shipped
-# forward in stop 39's two screens of e6f9595's kernels, results/h200/screening/stop39/
-# rows-screen.json and ahead-screen.json, its first call 1.4-2.0 s against 7.5-9.2 s there) and
-# compiles in 1.1 s instead of 4.8 s (128 registers, no spill); at 256 the whole-chunk tile spills
-# at any hint (168 registers, a 440-byte stack, 7.0 s to compile) and 64-row tiles took 0.58x its
-# time (80 registers, 1.45 s). Landed in stop 40: the models run of be405f8 (chapter 10).
 SMALL_STATE_AT = {128: dict(occupancy=2), 256: dict(whole_chunk=False, shared=False)}
 
-# Few sequences at chunk size 64: where the fused walk would take NARROW_STATE (fewer than
-# MIN_STAGE2_BLOCKS_PER_SM blocks a SM), walk whole states (ONE_WAVE_STATE) in GROUPED_WALK groups
-# of chunks at once instead (StateConfig.groups), if that many groups of whole states fit in one
-# wave of resident blocks. Each group walks from a zero state; chunk_scan completes the entering
-# states with each group's (ssd.kernels.state_passing.Groups). Measured on long-16k (1 x 80 heads;
-# results/h200/screening/stop33/groups.json): four groups of whole states, 320 blocks of 64
-# chunks, stage 2 0.676x and the forward 0.917x the narrow slices' (chunk_scan 1.26x: the
-# completing load); two groups 1.128x, eight (two waves) 0.966x; on shapes with several
-# sequences, where the rule does not apply, every grouping was slower (1.18-1.22x at best).
-# Only for sequences of at least GROUPED_MIN_CHUNKS chunks: on short ones the walk is short
-# anyway and the group kernel and chunk_scan's completion cost more than the walk saves. Against
-# the narrow slices in one process, with chunk_scan completing the entering states by addition
-# (results/h200/screening/stop34/rule.json, rule2.json): 8 chunks 1.44x, 24 chunks 1.18x,
-# 64 chunks 1.013x, 128 chunks 0.956x, 256 (long-16k) 0.913x, 1024 0.876x; with the completion
-# by an MMA of its own, as shipped (stop35/completion.json): 128 chunks 0.888x, 256 0.842x,
-# 1024 0.812x. 128 is the shortest length measured to gain with both; 64 was level by addition
-# and is not measured with the MMA.
+# Few long sequences at chunk 64 (too few stage-2 blocks): whole states walked in GROUPED_WALK
+# runs of chunks at once, where those fit in one wave and the sequence spans at least
+# GROUPED_MIN_CHUNKS chunks; shorter walks lose to the group kernel's extra work. [fig-grouped-walk]
 GROUPED_WALK = 4
 GROUPED_MIN_CHUNKS = 128
 
-# Stages 2 and 3 in one kernel (FusedScanConfig) at chunk size 64, for states of at most
-# FUSED_SCAN_MAX_STATE and heads of one channel block, where its grid of b x h blocks (two
-# resident a SM: 128 registers, 87 KB of shared memory on sm_90) fills at least FUSED_SCAN_MIN_FILL
-# of the resident slots of the FUSED_SCAN_MAX_WAVES or fewer waves it needs: every block walks
-# its whole sequence, so a wave part empty costs a whole walk. Measured against the shipped
-# three-stage forward at its faster chunk size, 64 or 128 (results/h200/screening/stop41/
-# fused-a.json and fused-b.json, 132 SMs): codestral-7b (256 blocks, 0.97 of one wave) 0.682x,
-# small-state (512 blocks, 0.97 of two waves) 0.841x, 130m (192 blocks, 0.73 of one wave)
-# 0.840x; 2.7b (320 blocks, 0.61 of two waves) 1.044x and long-16k (80 blocks, 0.30 of one wave)
-# 1.495x keep the three stages. Narrower channel blocks (32, 16) and chunk 32 were slower on
-# every shape (C Bᵀ is recomputed per channel block; twice the chunks to walk).
+# Stages 2 and 3 as one kernel at chunk 64 where its b x h blocks (two a SM) fill at least
+# FUSED_SCAN_MIN_FILL of the resident slots of at most FUSED_SCAN_MAX_WAVES waves: each block
+# walks a whole sequence, so a part-empty wave costs a whole walk. [fig-one-kernel]
 FUSED_SCAN_CHUNK = 64
 FUSED_SCAN_MAX_STATE = 128
 FUSED_SCAN_MIN_FILL = 2 / 3

@@ -87,13 +87,26 @@ def capture():
 _launched: set = set()  # kernels launched at least once in this process
 
 
-def launch(kernel, grid: tuple, args: tuple, device=None, quick=None) -> None:
-    """Launch ``kernel`` over ``grid`` on the current stream of ``device`` (or record it).
+def kernel_args(kernel, args: dict) -> tuple:
+    """``args`` (kernel parameter name -> value) in the order of ``kernel``'s parameters: a
+    launcher names every argument, so none can slip into another's place. Raises ValueError
+    naming the parameters missing or unknown."""
+    names = tuple(inspect.signature(kernel._pyfunc).parameters)
+    if set(args) != set(names):
+        missing, unknown = sorted(set(names) - set(args)), sorted(set(args) - set(names))
+        raise ValueError(f"{kernel._pyfunc.__name__}: missing {missing}, unknown {unknown}")
+    return tuple(args[name] for name in names)
 
-    quick: an :class:`ssd.QuickFirst` for a kernel whose tuned build compiles for long;
-    until that build is ready the quick one runs in its place (see the module docstring).
+
+def launch(kernel, grid: tuple, args: dict, device=None, quick=None) -> None:
+    """Launch ``kernel`` over ``grid`` with ``args`` (parameter name -> value, see
+    :func:`kernel_args`) on the current stream of ``device``, or record it under
+    :func:`capture`.
+
+    quick: a :class:`QuickFirst` for a kernel whose tuned build compiles for long; until that
+    build is ready the quick one runs in its place (see the module docstring).
     """
-    grid, args = tuple(grid), tuple(args)
+    grid, args = tuple(grid), kernel_args(kernel, args)
     if _captured is not None:
         _captured.append(Launch(kernel, grid, args))
         return

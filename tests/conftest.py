@@ -3,7 +3,7 @@
 GPU tests append one row per checked quantity to the ``gpu_record`` fixture. Each test's rows
 travel on its report (``user_properties``), and the process that logs the reports collects
 them: the same process in a plain run, the controller under pytest-xdist (``pytest -m gpu -n 8``
-compiles kernel variants in parallel; tileiras is single-threaded). At the end of a session that
+compiles kernel variants in parallel; tileiras is single-threaded). At the end of a run that
 ran any, the rows, the pass/fail counts, the worst error per dtype and the environment go to
 ``results/<gpu>/gpu_tests.json`` (the run summary the Kernels issue asks for, read back by
 notebook 08), with the ids of any failed tests. Rows tagged ``record="mixer"`` (the whole-layer
@@ -107,10 +107,11 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session, exitstatus):
     if not _COLLECTED or hasattr(session.config, "workerinput"):  # xdist workers: controller writes
         return
-    from ssd.tools.env import environment, gpu_slug, write_json
+    from ssd.tools.env import environment, gpu_slug, pack_rows, unpack_rows, write_json
 
     env = environment()
-    rows = [r for r in _COLLECTED if r.get("record") != "mixer"]
+    # packed (4 significant digits), and the summary computed from what is written
+    rows = unpack_rows(pack_rows([r for r in _COLLECTED if r.get("record") != "mixer"]))
     mixer = [r for r in _COLLECTED if r.get("record") == "mixer"]
     worst = {}
     for row in rows:
@@ -123,11 +124,11 @@ def pytest_sessionfinish(session, exitstatus):
         "checks": len(rows),
         "worst_rel_err_by_dtype": worst,
         "environment": env,
-        "rows": rows,
+        "rows": pack_rows(rows),
     }
     folder = ROOT / "results" / gpu_slug(env)
     path = write_json(folder / "gpu_tests.json", summary)
     print(f"\n[gpu] {len(rows)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
     if mixer:
-        path = write_json(folder / "gpu_mixer_tests.json", dict(environment=env, rows=mixer))
+        path = write_json(folder / "gpu_mixer_tests.json", dict(environment=env, rows=pack_rows(mixer)))
         print(f"[gpu] {len(mixer)} mixer checks written to {path}")

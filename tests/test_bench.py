@@ -138,8 +138,7 @@ def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):
 
 def test_a_gpu_machine_reads_its_own_nested_recording_or_the_books(tmp_path, monkeypatch):
     # On a GPU, "tilegym_tuned/130m" is read from results/<this GPU>/tilegym_tuned/ when that GPU
-    # recorded it, else from the book's results/h200/ (stop 26: the folder's name was taken for
-    # the GPU's, so chapter 10 failed on the H200 itself).
+    # recorded it, else from the book's results/h200/ (a nested name is not a GPU's folder).
     import torch
 
     monkeypatch.setattr(recordings, "RESULTS", tmp_path)
@@ -171,7 +170,7 @@ def test_glue_refuses_strings_that_would_render_with_quotes():
 
 def test_glue_stores_numpy_scalars_as_numbers(monkeypatch):
     """The book formats a glued number from its stored text/plain; np.float64's repr in NumPy 2
-    (``np.float64(...)``) is no number, and -W fails the build on it (stop 34, chapter 06)."""
+    (``np.float64(...)``) is no number, and -W fails the build on it."""
     import numpy as np
 
     shown = []
@@ -230,9 +229,8 @@ def test_vary_space_around_a_shapes_shipped_default():
 
 
 def test_study_points_are_built_for_every_shape_before_any_is_timed():
-    # stop 22 lost a device call: --vary scan.persistent=False is valid around most shipped
-    # defaults but not around whole-chunk tiles (small-state's at chunk 128), and the study found
-    # out on its last shape. Building every shape's points first turns that into an error before
+    # --vary scan.persistent=False is valid around most shipped defaults but not around
+    # whole-chunk tiles (small-state's at chunk 128), which a study would find out on its last shape. Building every shape's points first turns that into an error before
     # any timing.
     shapes = [s for s in bench.SUITES["models"] if s.name in ("2.7b", "small-state")]
     space = lambda shape, sms: bench.vary_space(  # noqa: E731
@@ -316,7 +314,7 @@ def test_retune_mamba_ssm_forgets_only_mamba_ssms_tuned_configurations(monkeypat
                                            (["--suite", "first-call", "--shapes", "130m"],
                                             "no named shapes"),
                                            (["--suite", "study", "--shapes", "x"], "x not in"),
-                                           (["--tilegym-replay", "results/h200/tilegym_tuned"],
+                                           (["--tilegym-replay"],
                                             "goes with --impl tilegym_tuned")])
 def test_main_rejects_shapes_outside_the_suite(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -349,7 +347,7 @@ def test_fresh_kernel_caches_unless_the_caller_set_one(monkeypatch):
 
 
 def test_write_json_takes_the_string_an_out_argument_gives(tmp_path):
-    """--out arrives as a str; a stop-9 device run lost its results to `str.parent`."""
+    """--out arrives as a str, which has no `.parent`: results must not be lost to it."""
     import json
 
     from ssd.tools.env import write_json
@@ -415,30 +413,37 @@ def test_tilegym_replaying_takes_the_recorded_configuration_instead_of_searching
     assert mamba2.exhaustive_search is search
 
 
-def test_tilegym_replay_source_reads_a_recorded_tuning_run(tmp_path):
-    """What --tilegym-replay takes from make gpu-tilegym's file: the chosen configurations and
-    the run they come from, its tuning time among them."""
-    folder = recordings.RESULTS / "h200" / "tilegym_tuned"
-    run = json.loads((folder / "2.7b.json").read_text())
-    got = bench.tilegym_replay_source(folder, "2.7b")
-    assert got["configs"] == run["tilegym_configs"]["2.7b"] and got["configs"]
-    assert got["tuning_s"] == next(r["first_call_s"] for r in run["records"]
-                                   if r["impl"] == "tilegym_tuned") > 60
-    assert got["git_revision"] == run["environment"]["git_revision"]
-    with pytest.raises(FileNotFoundError, match="no recorded tuning run"):
-        bench.tilegym_replay_source(tmp_path, "2.7b")
+def test_tilegym_table_keeps_what_a_searched_run_chose_and_replay_reads_it(tmp_path):
+    """make gpu-tilegym: each searched run's chosen configurations and tuning time go into the
+    table under the run's GPU; --tilegym-replay reads them back for that GPU and shape."""
+    run = dict(tilegym_configs={"2.7b": {"compute_out": ["namespace(BLOCK_STATE=64)"]}},
+               records=[dict(shape="2.7b", impl="tilegym_tuned", first_call_s=170.0)],
+               environment=dict(gpu="NVIDIA H200", tilegym="1.5.1", date="d"))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "2.7b.json").write_text(json.dumps(run))
+    table = tmp_path / "tilegym_tuned.json"
+    bench.write_tilegym_table(tmp_path / "runs", table)
+    got = bench.tilegym_replay_source("h200", "2.7b", table)
+    assert got == dict(configs=run["tilegym_configs"]["2.7b"], tilegym="1.5.1",
+                       gpu="NVIDIA H200", date="d", tuning_s=170.0)
+    with pytest.raises(FileNotFoundError, match="no tuning of 2.7b on h100"):
+        bench.tilegym_replay_source("h100", "2.7b", table)
     replayed = dict(run, records=[dict(r, tuning="replayed") for r in run["records"]])
-    (tmp_path / "2.7b.json").write_text(json.dumps(replayed))
-    with pytest.raises(ValueError, match="no searched TileGym tuning"):  # never replay a replay
-        bench.tilegym_replay_source(tmp_path, "2.7b")
+    with pytest.raises(ValueError, match="no searched TileGym tuning"):  # never keep a replay
+        bench.tilegym_tuning(replayed, "2.7b")
+
+
+def test_the_book_replays_tilegym_tuned_on_every_models_shape():
+    """results/tilegym_tuned.json holds the H200's tuning of every models shape."""
+    for shape in bench.SUITES["models"]:
+        assert bench.tilegym_replay_source("h200", shape.name)["configs"]
 
 
 def test_first_call_shapes_reach_both_last_chunks():
     """The first-call goal's never-seen shapes take both launcher paths at every suite chunk size:
     a ragged last chunk and full chunks only (where whole-chunk tiles that load once may run, the
-    slowest kernel to compile; stop 29 found it missing from this suite), and the grouped walk at
-    the first-call chunk size is taken both ways too (stop 36's models run found its full-chunk
-    tiles compiling for longer than the goal allows, with no such shape in this suite)."""
+    slowest kernel to compile), and the grouped walk at the first-call chunk size is taken both
+    ways too (its full-chunk tiles compile for longest)."""
     for q in bench.SUITE_CHUNKS:
         ragged = [s for s in bench.FIRST_CALL_SHAPES if s.l % q]
         assert ragged and len(ragged) < len(bench.FIRST_CALL_SHAPES), q

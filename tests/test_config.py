@@ -308,9 +308,8 @@ def test_fused_scan_config_rejects_bad_values(kwargs):
         FusedScanConfig(**kwargs)
 
 
-# The model suite's shapes (b, h, p, n) on the H200's 132 SMs at chunk 64: the screen of stop 41
-# (results/h200/screening/stop41/) measured the one kernel faster on the first three and slower
-# on the last two; a serving batch of 8 x 80 heads needs three waves, more than measured.
+# The model suite's shapes (b, h, p, n) on the H200's 132 SMs at chunk 64: the one kernel is
+# faster on the first three and slower on the last two (chapter 9, fig-one-kernel); a serving batch of 8 x 80 heads needs three waves, more than measured.
 @pytest.mark.parametrize("name,problem,taken", [
     ("codestral-7b", (2, 128, 64, 128), True), ("small-state", (16, 32, 64, 64), True),
     ("130m", (8, 24, 64, 128), True), ("2.7b", (4, 80, 64, 128), False),

@@ -179,6 +179,13 @@ def test_run_writes_results_and_merges(tmp_path):
                 dtype="float32", device="cpu", out=out, progress=False)
     assert again["prefill"] == old_prefill
     assert len(again["share"]["rows"]) == 1
+    # ... but never a part recorded at another revision: one recording, one revision
+    disk = json.loads(out.read_text())
+    disk["environment"]["git_revision"] = "another"
+    out.write_text(json.dumps(disk))
+    third = run([shape], ("torch",), grid, parts=("share",), reps=2, chunk_size=32,
+                dtype="float32", device="cpu", out=out, progress=False)
+    assert "prefill" not in third and "prefill" not in json.loads(out.read_text())
 
 
 def test_merge_replaces_rows_by_key():

@@ -64,7 +64,7 @@ ONEKERNEL = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
 NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOLE, ONEWAVE=ONEWAVE,
              SCAN64=SCAN64, GROUPS=GROUPS, GROUPS64=GROUPS64, GROUPS_NT=GROUPS_NT,
              ONEKERNEL=ONEKERNEL)
-# SSD_TEST_CONFIGS=FUSED,S32 checks only those (a screening run); default: all of them.
+# SSD_TEST_CONFIGS=FUSED,S32 checks only those (a quick look at a few configs); default: all of them.
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))

@@ -3,7 +3,7 @@
 A GPU run cannot be repeated here, so the plumbing that turns test reports into
 ``results/<gpu>/gpu_tests.json`` and ``gpu_mixer_tests.json`` is fed fake reports: the rows
 each test attached, pass/fail outcomes, the xdist controller's view (reports from several
-workers). A fresh copy of the conftest module keeps this test's rows out of the real session.
+workers). A fresh copy of the conftest module keeps this test's rows out of the real test run.
 """
 import importlib.util
 import json
@@ -45,10 +45,10 @@ def test_rows_from_every_worker_are_split_into_the_two_files(plumbing, tmp_path)
     summary = json.loads((tmp_path / "results" / "h200" / "gpu_tests.json").read_text())
     assert summary["outcomes"] == {"passed": 2, "failed": 1}
     assert summary["failed_tests"] == ["tests/m.py::two"]
-    assert summary["rows"] == [kernel] and summary["checks"] == 1
+    assert ssd.tools.env.unpack_rows(summary["rows"]) == [kernel] and summary["checks"] == 1
     assert summary["worst_rel_err_by_dtype"] == {"bfloat16": 2e-3}
     layer = json.loads((tmp_path / "results" / "h200" / "gpu_mixer_tests.json").read_text())
-    assert [r["rel_err"] for r in layer["rows"]] == [1e-6, 1.0]
+    assert [r["rel_err"] for r in ssd.tools.env.unpack_rows(layer["rows"])] == [1e-6, 1.0]
     assert layer["environment"]["gpu"] == "NVIDIA H200"
 
 
@@ -57,3 +57,14 @@ def test_an_xdist_worker_writes_nothing(plumbing, tmp_path):
     worker = SimpleNamespace(config=SimpleNamespace(workerinput={"workerid": "gw0"}))
     plumbing.pytest_sessionfinish(worker, 0)
     assert not (tmp_path / "results").exists()
+
+
+def test_packed_rows_come_back_as_written_to_four_digits():
+    rows = [dict(test="a", rel_err=1.23456789e-3, dims=[2, 80]), dict(test="b", kind="peer"),
+            dict(test="c", rel_err=None, dims=None)]
+    table = ssd.tools.env.pack_rows(rows)
+    assert [t["columns"] for t in table] == [["test", "rel_err", "dims"], ["test", "kind"]]
+    assert ssd.tools.env.is_packed(table) and not ssd.tools.env.is_packed(rows)
+    back = ssd.tools.env.unpack_rows(json.loads(json.dumps(table)))
+    assert back == [dict(test="a", rel_err=1.235e-3, dims=[2, 80]),
+                    dict(test="c", rel_err=None, dims=None), dict(test="b", kind="peer")]

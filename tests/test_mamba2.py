@@ -380,14 +380,11 @@ def test_gpu_backend_on_cpu_tensor_is_refused(monkeypatch):
 # SSD in fp32 from the same rounded inputs, so the difference is the kernel's own error
 # (ssd.validate.TOL: bf16 1.5e-2, fp32 2e-5), carried through the gated RMSNorm (scale-free)
 # and out_proj (a fixed linear map, the same on both sides), plus the rounding of y to bf16
-# on both sides (u = 3.9e-3). Margins of 2x (bf16) and 5x (fp32). Not yet measured on a GPU:
-# the run writes the errors to results/<gpu>/gpu_mixer_tests.json, so the first GPU run shows
-# how much room is left. The rows carry record="mixer": conftest writes them to
+# on both sides (u = 3.9e-3). Margins of 2x (bf16) and 5x (fp32). The rows carry record="mixer": conftest writes them to
 # results/<gpu>/gpu_mixer_tests.json, apart from the per-stage checks of gpu_tests.json.
 GPU_TOL = {"bfloat16": 3e-2, "float32": 1e-4}
 # mamba_ssm as the backend, in fp32: its SSD alone measured 1.43e-3 against the torch backend
-# on g4-l1000 on the H200 (b732e92; the other two fp32 cases failed 1e-4 too, their values were
-# lost to the then per-worker mixer record). That size is TF32's (10-bit mantissa, u = 4.9e-4),
+# on g4-l1000 on the H200 (the other two fp32 cases missed 1e-4 too). That size is TF32's (10-bit mantissa, u = 4.9e-4),
 # Triton's default precision for fp32 tl.dot, which mamba_ssm's kernels leave as it is: an
 # inference from the size, not verified (TRITON_F32_DEFAULT=ieee would tell). This check
 # exists to catch a wrong wiring of the peer into the layer (errors of order 1), so the peer

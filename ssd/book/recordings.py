@@ -12,7 +12,7 @@ import functools
 import json
 from pathlib import Path
 
-from ..tools.env import ROOT, environment, gpu_slug, write_json
+from ..tools.env import ROOT, environment, gpu_slug, is_packed, unpack_rows, write_json
 
 RESULTS = ROOT / "results"
 DEFAULT_GPU = "h200"  # where the book's recorded results come from
@@ -49,7 +49,9 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         raise FileNotFoundError(f"{shown}: no recorded result; run this chapter "
                                 "on a GPU once (see the Reproducibility chapter)")
-    return json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    # tables of rows written by ssd.tools.env.pack_rows come back as rows of dicts
+    return {k: unpack_rows(v) if is_packed(v) else v for k, v in record.items()}
 
 
 def live_or_recorded(name: str, measure, *, force_recorded: bool = False) -> dict:

@@ -106,7 +106,9 @@ def chunk_cumsum(dt, A, chunk_size: int, dt_bias=None, dt_softplus: bool = False
     bias = optional(dt_bias, 1, torch.float32, dt.device).to(torch.float32).contiguous()
     kernel = build_kernel(index_dtype_for(dt))
     grid = (b, nchunks, -(-h // config.block_h))
-    launch(kernel, grid, (dt, A32, bias, dt_out, dA_cumsum, l, float(dt_limit[0]),
-                          float(dt_limit[1]), chunk_size, config.block_h, dt_bias is not None,
-                          bool(dt_softplus)), device=dt.device)
+    launch(kernel, grid, dict(
+        dt=dt, A=A32, dt_bias=bias, dt_out=dt_out, dA_cumsum=dA_cumsum, seqlen=l,
+        dt_min=float(dt_limit[0]), dt_max=float(dt_limit[1]), Q=chunk_size,
+        BLOCK_H=config.block_h, HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus)),
+        device=dt.device)
     return dt_out, dA_cumsum

@@ -22,11 +22,8 @@ mask the diagonal block to pairs in the same sequence and drop the entering stat
 whose sequence started inside the chunk.
 
 A whole-chunk tile of full chunks (:func:`scan_chunk`, ``ScanConfig.shared``) takes its heads
-one after another instead and loads each of its tiles once. On the H200 it took chunk_scan to
-0.86x on small-state at chunk 128 (the reloads of its second row block dropped) and to
-0.92-0.94x at chunk 64 on the other model shapes (one row block a chunk: the same
-bytes, two heads one after another instead of side by side, occupancy hint 2), in stop 28's
-screen (results/h200/screening/stop28/shared-<shape>.json).
+one after another instead and loads each of its tiles once: no row block reloads what another
+already loaded (chapter 9 measures it, fig-scan-tiles).
 """
 import functools
 
@@ -59,8 +56,7 @@ def entering_mma(c_in, prev, part, BLOCK_M, BLOCK_P, GROUPED):
     """Tile code: C . H^T [M, P] fp32 for the entering state H of :func:`entering_state`.
     GROUPED, the group's part first, by an MMA of its own scaled by the carry, and the stored
     state's MMA accumulating onto it: both states stay MMA operands as loaded. Adding the two
-    states before one MMA took them through registers and back to shared memory: that
-    chunk_scan took 1.08-1.09x as long (screening/stop35/completion.json)."""
+    states before one MMA would take them through registers and back to shared memory."""
     acc = ct.zeros((BLOCK_M, BLOCK_P), dtype=ct.float32)
     if GROUPED:
         enter, d = part
@@ -322,7 +318,7 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
         PERSISTENT: ConstBool,
         WHOLE_CHUNK: ConstBool,  # persistent only: a tile is all row blocks of a chunk
         SHARED: ConstBool,       # whole-chunk tiles, every chunk full: scan_chunk
-        GROUPED: ConstBool,      # stage 2 walked its chunks in groups (ssd.state_passing.Groups)
+        GROUPED: ConstBool,      # stage 2 walked its chunks in groups (ssd.kernels.state_passing.Groups)
     ):
         """Grid: (b * c, cdiv(q, BLOCK_M), (h / BLOCK_H) * cdiv(p, BLOCK_P)), one output tile per
         block; or, PERSISTENT, a fixed number of blocks each looping over tiles, heads and
@@ -359,8 +355,8 @@ def build_kernel(index_dtype=ct.int32, occupancy=None, latency=None, warps=None)
 
 # The tuned build can take tileiras 10-13 s (the grouped walk with full chunks at 64), so until it
 # is ready a first call runs a build with the occupancy hint at 1: one block a SM leaves tileiras
-# no occupancy to search pipelines for, and it compiles in 1-3 s (stop 37's occupancy screen:
-# long-16k's first call 13.3 -> 6.9 s, the forward 1.12-1.44x as long). See ssd.launch.
+# no occupancy to search pipelines for, and it compiles in 1-3 s (it runs 1.1-1.4x as long, so
+# only until the tuned build is ready). See ssd.launch.
 QUICK_OCCUPANCY = 1
 
 
@@ -387,7 +383,7 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
         prev_states: (b, c, h, p, n) fp32 or bf16; D: optional (h,) or (h, p);
         z: optional (b, l, h, p); seq_idx: optional (b, l) int32 with seq_last (b, c) int32.
         out: optional preallocated (b, l, h, p) tensor of x's dtype.
-        groups: the :class:`ssd.state_passing.Groups` of a grouped stage 2, whose prev_states
+        groups: the :class:`ssd.kernels.state_passing.Groups` of a grouped stage 2, whose prev_states
             start from zero at each group.
     Returns:
         y (b, l, h, p) in x's dtype.
@@ -414,16 +410,19 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         tiles = grid[0] * grid[2] * (1 if config.whole_chunk else grid[1])
         grid = (min((config.occupancy or 1) * sms, tiles), 1, 1)
-    launch(kernel, grid, (x, B, C, dt_out, dA_cumsum, prev_states,
-                          optional(groups and groups.chunk_decay, 4, torch.float32, dev),
-                          optional(groups and groups.group_enter, 5, prev_states.dtype, dev),
-                          optional(D, 2, torch.float32, dev), optional(z, 4, x.dtype, dev),
-                          optional(seq_idx, 2, torch.int32, dev),
-                          optional(seq_last, 2, torch.int32, dev), out, l, nchunks, h // g, p_tiles,
-                          b, h // config.block_h, groups.chunks_per_group if groups else nchunks,
-                          q, config.block_h, config.block_m, config.block_s,
-                          config.block_p, n_pad, D is not None, D is not None and D.dim() == 1,
-                          z is not None, seq_idx is not None, config.persistent,
-                          config.whole_chunk, config.shared and l % q == 0, groups is not None),
-           device=dev, quick=quick)
+    launch(kernel, grid, dict(
+        x=x, B=B, C=C, dt_out=dt_out, dA_cumsum=dA_cumsum, prev_states=prev_states,
+        chunk_decay=optional(groups and groups.chunk_decay, 4, torch.float32, dev),
+        group_enter=optional(groups and groups.group_enter, 5, prev_states.dtype, dev),
+        D=optional(D, 2, torch.float32, dev), z=optional(z, 4, x.dtype, dev),
+        seq_idx=optional(seq_idx, 2, torch.int32, dev),
+        seq_last=optional(seq_last, 2, torch.int32, dev), y=out, seqlen=l, nchunks=nchunks,
+        heads_per_group=h // g, p_tiles=p_tiles, batch=b, head_tiles=h // config.block_h,
+        chunks_per_group=groups.chunks_per_group if groups else nchunks, Q=q,
+        BLOCK_H=config.block_h, BLOCK_M=config.block_m, BLOCK_S=config.block_s,
+        BLOCK_P=config.block_p, N_PAD=n_pad, HAS_D=D is not None,
+        D_PER_HEAD=D is not None and D.dim() == 1, HAS_Z=z is not None,
+        HAS_SEQ=seq_idx is not None, PERSISTENT=config.persistent,
+        WHOLE_CHUNK=config.whole_chunk, SHARED=config.shared and l % q == 0,
+        GROUPED=groups is not None), device=dev, quick=quick)
     return out

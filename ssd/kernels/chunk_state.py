@@ -11,7 +11,7 @@ which is one tensor-core matmul per (chunk, head, slice of P). With packed seque
 contribution was reset before the chunk ends.
 
 :func:`chunk_state_tile` is shared by the split kernel below and by the fused stage-2 kernel
-in :mod:`ssd.state_passing`.
+in :mod:`ssd.kernels.state_passing`.
 """
 import functools
 
@@ -87,7 +87,9 @@ def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,
                           config.warps)
     block_n, n_tiles, slices = config.slices(p, n)
     grid = (b * nchunks, h, slices)
-    launch(kernel, grid, (x, B, dt_out, dA_cumsum, seq_idx, seq_last, out, l, nchunks, h // g,
-                          n_tiles, q, min(config.block_k, q), config.block_p, block_n, has_seq),
-           device=x.device)
+    launch(kernel, grid, dict(
+        x=x, B=B, dt_out=dt_out, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,
+        states=out, seqlen=l, nchunks=nchunks, heads_per_group=h // g, n_tiles=n_tiles, Q=q,
+        BLOCK_K=min(config.block_k, q), BLOCK_P=config.block_p, BLOCK_N=block_n,
+        HAS_SEQ=has_seq), device=x.device)
     return out

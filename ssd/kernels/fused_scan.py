@@ -118,9 +118,11 @@ def fused_scan(B, C, x, dt_out, dA_cumsum, D=None, z=None, initial_states=None,
     y, final = out if out is not None else (
         torch.empty_like(x), torch.empty((b, h, p, n), device=dev, dtype=torch.float32))
     kernel = build_kernel(index_dtype_for(x, z, y), config.occupancy)
-    launch(kernel, (b, h, -(-p // config.block_p)), (
-        x, B, C, dt_out, dA_cumsum, optional(D, 2, torch.float32, dev), optional(z, 4, x.dtype, dev),
-        optional(initial_states, 4, torch.float32, dev), y, final, nchunks, h // g, q,
-        config.block_p, next_pow2(n), D is not None, D is not None and D.dim() == 1,
-        z is not None, initial_states is not None), device=dev)
+    launch(kernel, (b, h, -(-p // config.block_p)), dict(
+        x=x, B=B, C=C, dt_out=dt_out, dA_cumsum=dA_cumsum, D=optional(D, 2, torch.float32, dev),
+        z=optional(z, 4, x.dtype, dev),
+        initial_states=optional(initial_states, 4, torch.float32, dev), y=y, final_states=final,
+        nchunks=nchunks, heads_per_group=h // g, Q=q, BLOCK_P=config.block_p, N_PAD=next_pow2(n),
+        HAS_D=D is not None, D_PER_HEAD=D is not None and D.dim() == 1, HAS_Z=z is not None,
+        HAS_INIT=initial_states is not None), device=dev)
     return y, final

@@ -101,7 +101,8 @@ def scale_add(x, y, alpha: float, tile=(64, 64), out=None):
     m, n = x.shape
     tm, tn = tile
     kernel = build_scale_add_kernel(index_dtype_for(x, y, out))
-    launch(kernel, (-(-m // tm), -(-n // tn)), (x, y, out, float(alpha), tm, tn), device=x.device)
+    launch(kernel, (-(-m // tm), -(-n // tn)),
+           dict(x=x, y=y, out=out, alpha=float(alpha), TILE_M=tm, TILE_N=tn), device=x.device)
     return out
 
 
@@ -148,7 +149,8 @@ def row_stats(x, block_m: int = 16, out=None):
         f32 = dict(dtype=torch.float32, device=x.device)
         out = (torch.empty(m, **f32), torch.empty(m, **f32), torch.empty(m, n, **f32))
     sums, maxes, cumsums = out
-    launch(row_stats_kernel, (-(-m // block_m),), (x, sums, maxes, cumsums, block_m, next_pow2(n)),
+    launch(row_stats_kernel, (-(-m // block_m),),
+           dict(x=x, sums=sums, maxes=maxes, cumsums=cumsums, BLOCK_M=block_m, N_PAD=next_pow2(n)),
            device=x.device)
     return sums, maxes, cumsums
 
@@ -195,7 +197,8 @@ def matmul(a, b, tiles=(64, 64, 32), out_dtype=None, out=None):
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype or a.dtype, device=a.device)
     tm, tn, tk = tiles
-    launch(matmul_kernel, (-(-m // tm), -(-n // tn)), (a, b, out, tm, tn, tk), device=a.device)
+    launch(matmul_kernel, (-(-m // tm), -(-n // tn)), dict(a=a, b=b, c=out, TM=tm, TN=tn, TK=tk),
+           device=a.device)
     return out
 
 

@@ -9,10 +9,10 @@ so initial states only feed a batch row whose first sequence has id 0, as in mam
 
 One kernel, two modes (the ``FUSED`` constant):
 
-* split (:func:`state_passing`): scans the per-chunk states written by :mod:`ssd.chunk_state`.
+* split (:func:`state_passing`): scans the per-chunk states written by :mod:`ssd.kernels.chunk_state`.
 * fused (:func:`chunk_state_passing`): each block walks its chunks in order, decays its
   running state and accumulates every chunk's MMAs straight into it on chip
-  (:func:`ssd.chunk_state.chunk_state_tile` with the decayed state as its accumulator), so the
+  (:func:`ssd.kernels.tiles.chunk_state_tile` with the decayed state as its accumulator), so the
   per-chunk states never go to memory.
 
 Either way a block owns a ``BLOCK_P`` x ``BLOCK_N`` slice of one head's state, so the
@@ -221,7 +221,7 @@ def _outputs(b, nchunks, h, p, n, device, config, input_dtype, out):
     import torch
 
     if out is not None:
-        return out
+        return out.prev_states, out.final_states
     if input_dtype is None and config.state_dtype == "input":
         raise ValueError("state_passing on its own does not see the input dtype: pass a "
                          "StateConfig whose state_dtype is a dtype name, not 'input'")
@@ -249,9 +249,20 @@ class Groups(NamedTuple):
     chunks_per_group: int
 
 
+class StageTwo(NamedTuple):
+    """Stage 2's outputs, or (passed as ``out``) preallocated buffers for them:
+    prev_states (b, c, h, p, n), the state entering each chunk (a grouped walk: from its group's
+    start); final_states (b, h, p, n) fp32; groups, a grouped walk's :class:`Groups` (None
+    otherwise; as ``out``, its buffers, or None to allocate them)."""
+
+    prev_states: object
+    final_states: object
+    groups: Groups | None = None
+
+
 def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, config, out):
     """Launch the stage-2 scan: fused when ``states`` is None, else over the given states.
-    Returns (prev_states, final_states, Groups or None)."""
+    ``out``: a :class:`StageTwo` of buffers, or None. Returns a :class:`StageTwo`."""
     import torch
 
     fused = states is None
@@ -260,14 +271,15 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     dev = dA_cumsum.device
     grouped = fused and config.groups > 1
     prev_states, final_states = _outputs(b, nchunks, h, p, n, dev, config,
-                                         x.dtype if fused else None, out and out[:2])
+                                         x.dtype if fused else None, out)
+    buffers = out.groups if out is not None else None
     block_n, n_tiles, slices = config.slices(p, n)
     G = config.groups if grouped else 1
     cpg = chunks_per_group(nchunks, G)
     if grouped:
         f32 = dict(device=dev, dtype=torch.float32)
-        chunk_decay = out[2] if out and len(out) > 2 and out[2] is not None else \
-            torch.empty((b, h, nchunks, DECAY_ROW), **f32)
+        chunk_decay = (buffers.chunk_decay if buffers is not None
+                       else torch.empty((b, h, nchunks, DECAY_ROW), **f32))
         group_end = torch.empty((b, G, h, p, n), **f32)
         group_decay = torch.empty((b, h, G), **f32)
     else:
@@ -277,27 +289,34 @@ def _launch(x, B, dt_out, dA_cumsum, states, initial_states, seq_idx, seq_last, 
     # memory for sm_90, against 64 and 54 KB counted.
     kernel = build_kernel(index_dtype_for(x, B, states, prev_states), config.occupancy,
                           config.latency, config.warps, config.transposed and fused)
-    launch(kernel, (b, h, slices * G), (
-        optional(x, 4, torch.bfloat16, dev), optional(B, 4, torch.bfloat16, dev),
-        optional(dt_out, 4, torch.float32, dev), dA_cumsum, optional(states, 5, torch.float32, dev),
-        optional(initial_states, 4, torch.float32, dev), optional(seq_idx, 2, torch.int32, dev),
-        optional(seq_last, 2, torch.int32, dev), prev_states, final_states,
-        optional(chunk_decay, 4, torch.float32, dev), optional(group_end, 5, torch.float32, dev),
-        optional(group_decay, 3, torch.float32, dev),
-        x.shape[1] if fused else 0, nchunks, h // B.shape[2] if fused else 1, n_tiles, slices, cpg,
-        q, min(config.block_k, q), config.block_p, block_n, fused, initial_states is not None,
-        seq_last is not None, fused and x.shape[1] % q == 0 and q <= 2 * config.block_k, grouped),
+    launch(kernel, (b, h, slices * G), dict(
+        x=optional(x, 4, torch.bfloat16, dev), B=optional(B, 4, torch.bfloat16, dev),
+        dt_out=optional(dt_out, 4, torch.float32, dev), dA_cumsum=dA_cumsum,
+        states=optional(states, 5, torch.float32, dev),
+        initial_states=optional(initial_states, 4, torch.float32, dev),
+        seq_idx=optional(seq_idx, 2, torch.int32, dev),
+        seq_last=optional(seq_last, 2, torch.int32, dev), prev_states=prev_states,
+        final_states=final_states, chunk_decay=optional(chunk_decay, 4, torch.float32, dev),
+        group_end=optional(group_end, 5, torch.float32, dev),
+        group_decay=optional(group_decay, 3, torch.float32, dev),
+        seqlen=x.shape[1] if fused else 0, nchunks=nchunks,
+        heads_per_group=h // B.shape[2] if fused else 1, n_tiles=n_tiles, slices=slices,
+        chunks_per_group=cpg, Q=q, BLOCK_K=min(config.block_k, q), BLOCK_P=config.block_p,
+        BLOCK_N=block_n, FUSED=fused, HAS_INIT=initial_states is not None,
+        HAS_SEQ=seq_last is not None,
+        FULL=fused and x.shape[1] % q == 0 and q <= 2 * config.block_k, GROUPED=grouped),
         device=dev)
     if not grouped:
-        return prev_states, final_states, None
-    group_enter = (out[3] if out and len(out) > 3 and out[3] is not None
+        return StageTwo(prev_states, final_states)
+    group_enter = (buffers.group_enter if buffers is not None
                    else torch.empty((b, G, h, p, n), device=dev, dtype=prev_states.dtype))
     # The state between groups: [block_p, block_n] slices as the walk's (untransposed here).
-    launch(build_group_kernel(index_dtype_for(group_end, group_enter)), (b, h, slices), (
-        group_end, group_decay, optional(initial_states, 4, torch.float32, dev), group_enter,
-        final_states, G, n_tiles, config.block_p, block_n, initial_states is not None),
-        device=dev)
-    return prev_states, final_states, Groups(chunk_decay, group_enter, cpg)
+    launch(build_group_kernel(index_dtype_for(group_end, group_enter)), (b, h, slices), dict(
+        group_end=group_end, group_decay=group_decay,
+        initial_states=optional(initial_states, 4, torch.float32, dev), group_enter=group_enter,
+        final_states=final_states, groups=G, n_tiles=n_tiles, BLOCK_P=config.block_p,
+        BLOCK_N=block_n, HAS_INIT=initial_states is not None), device=dev)
+    return StageTwo(prev_states, final_states, Groups(chunk_decay, group_enter, cpg))
 
 
 def state_passing(states, dA_cumsum, initial_states=None, seq_last=None,
@@ -305,17 +324,17 @@ def state_passing(states, dA_cumsum, initial_states=None, seq_last=None,
     """Launch stage 2b (split variant).
 
     Args:
-        states: (b, c, h, p, n) fp32 from :func:`ssd.chunk_state.chunk_state`.
+        states: (b, c, h, p, n) fp32 from :func:`ssd.kernels.chunk_state.chunk_state`.
         dA_cumsum: (b, h, c, q) fp32.
         initial_states: optional (b, h, p, n).
         seq_last: optional (b, c) int32, seq_idx at each chunk's last valid position.
-        out: optional pair (prev_states (b, c, h, p, n), final_states (b, h, p, n) fp32).
+        out: optional :class:`StageTwo` of buffers.
     Returns:
-        prev_states (b, c, h, p, n) in ``config.state_dtype`` (which must name a dtype here),
-        final_states (b, h, p, n) fp32.
+        :class:`StageTwo`: prev_states (b, c, h, p, n) in ``config.state_dtype`` (which must name
+        a dtype here), final_states (b, h, p, n) fp32.
     """
     return _launch(None, None, None, dA_cumsum, states, initial_states, None, seq_last, config,
-                   out)[:2]
+                   out)
 
 
 def chunk_state_passing(B, x, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
@@ -326,27 +345,27 @@ def chunk_state_passing(B, x, dt_out, dA_cumsum, initial_states=None, seq_idx=No
         B: (b, l, g, n); x: (b, l, h, p); dt_out, dA_cumsum: (b, h, c, q) fp32.
         initial_states: optional (b, h, p, n); seq_idx: optional (b, l) int32 with
         seq_last (b, c) int32.
-        out: optional pair (prev_states, final_states) as for :func:`state_passing`.
+        out: optional :class:`StageTwo` of buffers.
     Returns:
-        prev_states (b, c, h, p, n) in ``config.storage_dtype(x's dtype)``, final_states
-        (b, h, p, n) fp32. With ``config.groups > 1`` the states are each group's walk from a
+        :class:`StageTwo`: prev_states (b, c, h, p, n) in ``config.storage_dtype(x's dtype)``,
+        final_states (b, h, p, n) fp32. With ``config.groups > 1`` the states are each group's walk from a
         zero state: see :func:`grouped_chunk_state_passing`.
     """
     if config.groups > 1:
         raise ValueError("chunk_state_passing: config.groups > 1 stores states that need their "
                          "groups' entering states: call grouped_chunk_state_passing")
     return _launch(x, B, dt_out, dA_cumsum, None, initial_states, seq_idx, seq_last, config,
-                   out)[:2]
+                   out)
 
 
 def grouped_chunk_state_passing(B, x, dt_out, dA_cumsum, initial_states=None, seq_idx=None,
                                 seq_last=None, config: StateConfig = StateConfig(), out=None):
     """The fused stage 2 over ``config.groups`` groups of chunks (arguments as for
-    :func:`chunk_state_passing`; ``out`` may add chunk_decay and group_enter buffers).
+    :func:`chunk_state_passing`; ``out.groups`` may hold chunk_decay and group_enter buffers).
 
     Returns:
-        prev_states (b, c, h, p, n), each chunk's entering state from its group's start (a zero
-        state there); final_states (b, h, p, n) fp32 (the true one); :class:`Groups`, with
-        which chunk_scan completes the entering states.
+        :class:`StageTwo`: prev_states (b, c, h, p, n), each chunk's entering state from its
+        group's start (a zero state there); final_states (b, h, p, n) fp32 (the true one); groups,
+        the :class:`Groups` with which chunk_scan completes the entering states.
     """
     return _launch(x, B, dt_out, dA_cumsum, None, initial_states, seq_idx, seq_last, config, out)

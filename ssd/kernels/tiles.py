@@ -12,7 +12,7 @@ ZERO = ct.PaddingMode.ZERO
 LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the native unit
 
 # chunk_decay's last axis: the carry repeated over a row of 32 bytes, so that chunk_scan loads it
-# as a row by TMA and takes one element out (ct.extract), as chunk_state.chunk_end_decay does with
+# as a row by TMA and takes one element out (ct.extract), as chunk_end_decay does with
 # dA_cumsum; a one-element tile is a cp.async the consumer warps issue and wait out themselves.
 DECAY_ROW = 8
 
@@ -53,8 +53,7 @@ def chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     Taken out of the chunk's last BLOCK_K row, not loaded as one element: a one-element tile is
     a cp.async that the consumer warps issue and wait out themselves at every chunk of the
     walk, where a row is a TMA load the producer issues ahead (and the same row the last K
-    step reads). On the H200 this took 18-24 % off the fused stage 2 at chunk 128
-    (results/h200/screening/stop21/tail-row.json; the peers chapter, 10, has the numbers)."""
+    step reads)."""
     tail = ct.load(dA_cumsum, index=(ib, ih, ic, Q // BLOCK_K - 1), shape=(1, 1, 1, BLOCK_K))
     return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K - 1,), shape=(1,))
 
@@ -76,8 +75,7 @@ def chunk_state_tile(acc, x, B, dt_out, dA_cumsum, seq_idx, seq_last, seqlen, ib
     (w B)ᵀ x with B loaded as [BLOCK_N, BLOCK_K] (StateConfig.transposed).
     ``FULL``: every chunk of the sequence is full (seqlen % Q == 0), so the K loop has a
     constant trip count and is unrolled. The fused walk then has a straight-line body per chunk,
-    which the H200 ran faster per forward than the counted loop on every model shape
-    (results/h200/screening/stop17/flat-walk*.json; the peers chapter, 10, has the numbers).
+    which runs faster than the counted loop.
     """
     last = chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K)
     seq_end = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ

@@ -84,7 +84,7 @@ SUITES = {
 # fastest: the issue asks it of mamba_ssm, and ours is held to the same rule (TileGym tuned picks
 # its own in its search). The output does not depend on the chunk size, only the time does.
 SUITE_CHUNKS = (64, 128, 256)
-STUDY_SHAPES = ("130m", "2.7b", "codestral-7b")
+STUDY_SHAPES = ("130m", "2.7b")
 # The chunk size of the tiling study's default point (chapter 09 times 128 and 256 beside it) and
 # of the first-call suite: the fastest of SUITE_CHUNKS for ours on four of the five models shapes
 # in the models run (small-state is 4 % faster at 128).
@@ -231,8 +231,7 @@ def time_fn(fn, *, mode="graph", l2="flushed", reps=50, warmup=5) -> dict:
 def measure_ceilings() -> dict:
     """Device-to-device copy bandwidth and bf16 matmul rate, measured now on this GPU. (No L2
     tile ceiling: a kernel that only loaded bf16 [64, 64] tiles from L2 took them at 4.0 TB/s on
-    the H200, below the 4.3-6.4 TB/s of modelled tile traffic the stages reach, so it bounded
-    nothing: results/h200/screening/stop29/tile-stream.json.)"""
+    the H200, below the modelled tile traffic the stages reach, so it bounds nothing.)"""
     import torch
 
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
@@ -529,23 +528,44 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
     return payload
 
 
-def tilegym_replay_source(folder, shape: str) -> dict:
-    """What ``--tilegym-replay folder`` replays for ``shape``: the configurations TileGym's
-    search chose in the recorded run ``folder/<shape>.json`` (``make gpu-tilegym``), with that
-    run's file, revision, date, TileGym version and tuning time (its first call's seconds)."""
-    path = Path(folder) / f"{shape}.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"--tilegym-replay: no recorded tuning run {path} for {shape}")
-    run = json.loads(path.read_text())
+#: TileGym's tuned configurations per GPU and shape (``make gpu-tilegym`` writes it): the input
+#: of ``--tilegym-replay``, not a recording of ours.
+TILEGYM_TUNED = ROOT / "results" / "tilegym_tuned.json"
+
+
+def tilegym_tuning(run: dict, shape: str) -> dict:
+    """What a searched TileGym run of ``shape`` (a models-suite payload with ``--impl
+    tilegym_tuned``) chose: its configurations, the TileGym version, GPU, date and tuning time
+    (its first call's seconds)."""
     configs = run.get("tilegym_configs", {}).get(shape)
-    tuned = [r for r in run["records"] if r["impl"] == "tilegym_tuned"
+    tuned = [r for r in run["records"] if r["impl"] == "tilegym_tuned" and r["shape"] == shape
              and r.get("tuning", "searched") == "searched"]
     if not configs or not tuned:
-        raise ValueError(f"--tilegym-replay: {path} holds no searched TileGym tuning of {shape}")
+        raise ValueError(f"no searched TileGym tuning of {shape} in this run")
     env = run["environment"]
-    return dict(configs=configs, file=str(path), git_revision=env.get("git_revision"),
-                date=env.get("date"), tilegym=env.get("tilegym"),
-                tuning_s=tuned[0]["first_call_s"])
+    return dict(configs=configs, tilegym=env.get("tilegym"), gpu=env.get("gpu"),
+                date=env.get("date"), tuning_s=tuned[0]["first_call_s"])
+
+
+def write_tilegym_table(folder, path=TILEGYM_TUNED) -> Path:
+    """Merge the searched runs ``folder/<shape>.json`` into the table at ``path``, under their
+    GPU (each run's environment names it)."""
+    table = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    for run_path in sorted(Path(folder).glob("*.json")):
+        run = json.loads(run_path.read_text())
+        table.setdefault(gpu_slug(run["environment"]), {})[run_path.stem] = tilegym_tuning(
+            run, run_path.stem)
+    return write_json(path, table)
+
+
+def tilegym_replay_source(gpu: str, shape: str, path=TILEGYM_TUNED) -> dict:
+    """What ``--tilegym-replay`` replays for ``shape`` on ``gpu`` (a slug such as "h200"): the
+    configurations TileGym's search chose there, from the table at ``path``."""
+    table = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    if shape not in table.get(gpu, {}):
+        raise FileNotFoundError(f"--tilegym-replay: {path} has no tuning of {shape} on {gpu}: "
+                                "tune it (make gpu-tilegym)")
+    return table[gpu][shape]
 
 
 def fastest_chunk(records, shape: str, impl: str) -> int | None:
@@ -582,10 +602,10 @@ def speedups(records, over="mamba_ssm", mode="graph", l2="flushed") -> dict:
 # last chunk (ragged, or every chunk full, where whole-chunk tiles that load once may run), the
 # groups and the state size. So one shape of each: a ragged last chunk at every chunk size, four
 # groups with a small state and a head dim of 96, and full chunks at 64, 128 and 256 (the models
-# shapes' case; stop 29 found whole-chunk tiles compiling for ~10 s there, which the first two
-# never reach), and two long sequences whose default walks its chunks in groups (GROUPED_WALK:
-# three kernels of its own), one with a ragged last chunk and one with full chunks only (stop 36's
-# models run found long-16k's grouped whole-chunk tiles compiling for longer than the goal allows).
+# shapes' case, where whole-chunk tiles compile for longest, which the first two never reach),
+# and two long sequences whose default walks its chunks in groups (GROUPED_WALK:
+# three kernels of its own), one with a ragged last chunk and one with full chunks only (the
+# grouped walk's whole-chunk tiles are the slowest to compile).
 FIRST_CALL_SHAPES = (Shape("unseen-3x3000", 3, 3000, 40, 64, 128, 1),
                      Shape("unseen-1x777-g4", 1, 777, 32, 96, 64, 4),
                      Shape("unseen-2x1536-full", 2, 1536, 48, 64, 128, 1),
@@ -929,8 +949,8 @@ def plot_suite(payload, ax=None, mode="graph", l2="flushed"):
 
 #: The compile caches a first call could find warm: cuTile's (ours, TileGym's) and Triton's
 #: (mamba_ssm's). A machine that ran the GPU tests before a benchmark holds our kernels in the
-#: first (stop 35's models run: every first call <= 0.8 s, against 2.6 s and more in the fresh
-#: processes of the first-call suite of the same session), so first_call_s timed no compilation.
+#: first, where a first call then times no compilation (under a second, against several seconds
+#: in a fresh process).
 KERNEL_CACHE_VARS = ("CUDA_TILE_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
@@ -975,14 +995,20 @@ def main(argv=None) -> int:
                              "tiles, as the study does) or the sm_90 default (global)")
     parser.add_argument("--stages", action="store_true",
                         help="study only: time each point's kernels alone too (eager, L2 flushed)")
-    parser.add_argument("--tilegym-replay", metavar="FOLDER",
-                        help="TileGym tuned takes the configurations its search chose in the "
-                             "recorded runs FOLDER/<shape>.json (make gpu-tilegym) instead of "
-                             "searching again; needs --impl tilegym_tuned")
+    parser.add_argument("--tilegym-replay", action="store_true",
+                        help="TileGym tuned takes the configurations its search chose on this GPU "
+                             "(results/tilegym_tuned.json, make gpu-tilegym) instead of searching "
+                             "again; needs --impl tilegym_tuned")
+    parser.add_argument("--tilegym-table", metavar="FOLDER",
+                        help="write the searched TileGym runs FOLDER/<shape>.json into "
+                             "results/tilegym_tuned.json and exit")
     parser.add_argument("--shapes", metavar="NAME,NAME",
                         help="only these shapes of the suite (the study: of the models suite; "
                              f"default {','.join(STUDY_SHAPES)})")
     args = parser.parse_args(argv)
+    if args.tilegym_table:
+        print(f"wrote {write_tilegym_table(args.tilegym_table)}")
+        return 0
     if args.vary and args.suite != "study":
         parser.error("--vary goes with --suite study")
     if args.stages and args.suite != "study":
@@ -1007,7 +1033,7 @@ def _run(parser, args, shapes, names, caches) -> int:
     env = dict(environment(), kernel_caches=caches)
     replay = None
     if args.tilegym_replay:
-        replay = {s.name: tilegym_replay_source(args.tilegym_replay, s.name) for s in shapes}
+        replay = {s.name: tilegym_replay_source(gpu_slug(env), s.name) for s in shapes}
         if stale := {s: r["tilegym"] for s, r in replay.items() if r["tilegym"] != env["tilegym"]}:
             parser.error(f"--tilegym-replay: recorded with TileGym {stale}, installed "
                          f"{env['tilegym']}: tune again (make gpu-tilegym)")

@@ -339,13 +339,13 @@ def compile_probe(target: str) -> CompileResult:
             import cuda.tile as ct
             from cuda.tile.compilation import (ArrayConstraint, CallingConvention,
                                                KernelSignature, export_kernel)
-            from ssd import _doctor_kernel
+            from ssd.tools import doctor_kernel
 
             arr = ArrayConstraint(dtype=ct.float32, ndim=1, index_dtype=ct.int32,
                                   stride_lower_bound_incl=0, alias_groups=(),
                                   may_alias_internally=False)
             sig = KernelSignature([arr, arr], CallingConvention.cutile_python_v1())
-            export_kernel(_doctor_kernel.scale_exp2, [sig], io.BytesIO(), gpu_code=target,
+            export_kernel(doctor_kernel.scale_exp2, [sig], io.BytesIO(), gpu_code=target,
                           output_format="cubin")
     except Exception as exc:
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())

@@ -17,8 +17,8 @@ on the Mamba-2 mixer of ``ssd.layer`` with random weights:
    grid for the backends "cutile" (ours) and "mamba_ssm" (Triton), and writes
    ``results/<gpu>/endtoend.json`` with the environment record; :func:`amdahl_rows` puts the
    predicted end-to-end speedup (from the measured share and kernel speedup) next to the
-   measured one. A run merges into an existing file row by row (:func:`merge`), so a long
-   sweep can be split over several commands::
+   measured one. A run merges into an existing file of the same revision row by row
+   (:func:`merge`), so a long sweep can be split over several commands::
 
        python -m ssd.tools.endtoend --only share
        python -m ssd.tools.endtoend --only prefill --configs 130m
@@ -379,7 +379,8 @@ def _amdahl_of(part_name, rows):
 
 
 def merge(old: dict, new: dict) -> dict:
-    """Merge a new payload into a recorded one: per part, rows of the new run replace the old
+    """Merge a new payload into a recorded one of the same revision: per part, rows of the new
+    run replace the old
     rows with the same :data:`ROW_KEYS` key, other old rows are kept (so a sweep can be split
     over several commands); failures likewise; settings, skipped and environment are the new
     run's; ``amdahl`` is recomputed over the merged rows."""
@@ -510,8 +511,10 @@ def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_G
     payload["environment"] = env
     if out is not None:
         out = Path(out)
-        if out.is_file():
-            payload = merge(json.loads(out.read_text()), payload)
+        old = json.loads(out.read_text()) if out.is_file() else {}
+        # one recording, one revision: rows of another revision's run are dropped, not merged
+        if old.get("environment", {}).get("git_revision") == env.get("git_revision"):
+            payload = merge(old, payload)
         write_json(out, payload)
     return payload
 

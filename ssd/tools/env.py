@@ -21,8 +21,7 @@ def _git_revision() -> str | None:
     """Short git revision (+"-dirty"), or the file ``.revision`` when it exists.
 
     The file wins because the GPU machine gets a copy of the working tree whose ``.git`` (when
-    it has one at all) is not the sender's: a stale one there reported an old commit as
-    "-dirty" for a whole session. The sender writes ``.revision`` right after committing
+    it has one at all) is not the sender's, and a stale one there would name an old commit. The sender writes ``.revision`` right after committing
     (``git rev-parse --short=12 HEAD > .revision``); it is git-ignored.
     """
     stamp = ROOT / ".revision"
@@ -96,6 +95,29 @@ def write_json(path: Path | str, payload) -> Path:
     return path
 
 
+def pack_rows(rows: list[dict], digits: int = 4) -> list[dict]:
+    """Rows of dicts as tables, one per set of keys: ``[{"columns": [...], "values": [[...],
+    ...]}, ...]``, floats to ``digits`` significant digits, so that thousands of check rows
+    take a few hundred KB instead of a few MB (each key is written once a table).
+    :func:`unpack_rows` restores the dicts, grouped by their keys."""
+    cell = lambda v: float(f"{v:.{digits}g}") if isinstance(v, float) else v  # noqa: E731
+    tables: dict[tuple, list] = {}
+    for row in rows:
+        tables.setdefault(tuple(row), []).append([cell(v) for v in row.values()])
+    return [{"columns": list(columns), "values": values} for columns, values in tables.items()]
+
+
+def unpack_rows(tables: list[dict]) -> list[dict]:
+    """The rows :func:`pack_rows` packed."""
+    return [dict(zip(t["columns"], values, strict=True)) for t in tables for values in t["values"]]
+
+
+def is_packed(value) -> bool:
+    """Whether ``value`` is what :func:`pack_rows` returns."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, dict) and set(t) == {"columns", "values"} for t in value)
+
+
 def dumps(obj, depth: int = 0) -> str:
     """JSON with nesting indented one space a level, except that a dict or list holding only
     scalars (or lists of scalars) takes one line: a recording's records, rows and settings read
@@ -109,3 +131,19 @@ def dumps(obj, depth: int = 0) -> str:
     if isinstance(obj, list) and not all(flat(v) for v in obj):
         return "[\n" + ",\n".join(pad + dumps(v, depth + 1) for v in obj) + "\n" + " " * depth + "]"
     return json.dumps(obj)
+
+
+def main(argv=None) -> int:
+    """``python -m ssd.tools.env``: this machine's environment record as JSON; ``--slug``: only
+    the folder name its GPU's recordings go to (results/<slug>/)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ssd.tools.env", description=main.__doc__)
+    parser.add_argument("--slug", action="store_true", help="print results/<slug>'s slug only")
+    env = environment()
+    print(gpu_slug(env) if parser.parse_args(argv).slug else dumps(env))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
