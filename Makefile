@@ -66,7 +66,8 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # under ten minutes on an H200, for machines that cap a command's time:
 #   gpu-check    the GPU tests (results/<gpu>/gpu_tests.json, gpu_mixer_tests.json; one process
 #                per core, since compiling the kernel variants dominates) and first calls
-#   gpu-bench    the models suite against mamba_ssm and TileGym, and TileGym tuned replayed
+#   gpu-bench    the models and serving suites against mamba_ssm and TileGym, and TileGym tuned
+#                replayed
 #   gpu-study    the layout study and the SSD's share of the Mamba-2 layer
 #   gpu-results  chapters 04-08 executed (they time kernels live and record what they show)
 # The layer calls our SSD at chunk 64 and mamba_ssm's at 256, each one's fastest on most
@@ -79,6 +80,7 @@ gpu-check:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite first-call
 gpu-bench:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30
+	$(GPU_PYTHON) -m ssd.tools.bench --suite serving --reps 30
 	$(GPU_PYTHON) -m ssd.tools.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 \
 	  --tilegym-replay --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/tilegym_replayed.json
 gpu-study:
