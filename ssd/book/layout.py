@@ -39,19 +39,22 @@ THREADS = 256
 # scan), chunk_scan, and stages 2 and 3 as one kernel.
 WALK, SCAN, ONE = "state_passing_kernel", "chunk_scan_kernel", "fused_scan_kernel"
 
-# Figure names (MyST labels of the chapter's figures), for ssd/config.py's rules to point at.
-FIGURES = ("fig-chunk-size", "fig-stage2-waves", "fig-one-kernel-fill", "fig-default-vs-best")
+# The names of the chapter's figures (MyST labels; the tables the rules rest on are figures too),
+# for ssd/config.py's rules to point at.
+FIGURES = ("fig-chunk-size", "fig-fused-stage2", "fig-state-slicing", "fig-occupancy",
+           "fig-scan-tiles", "fig-one-kernel", "fig-default-vs-best")
 
 # The rules of ssd.config, in the order default_config applies them: the constants each reads,
-# what it decides, and where the evidence is: a figure ("fig-*"), a section of the chapter
-# ("layout-*", its table) or another chapter.
+# what it decides, and where the evidence is: a figure of the chapter ("fig-*") or another
+# chapter.
 RULES = [
     ("StateConfig()", ("StateConfig",),
-     "stage 2 fused, in transposed state slices, with an occupancy hint", "fig-stage2-waves"),
+     "stage 2 fused, in transposed state slices, with an occupancy hint",
+     "fig-fused-stage2, fig-state-slicing"),
     ("too few blocks", ("MIN_STAGE2_BLOCKS_PER_SM", "NARROW_STATE"),
-     "narrower slices where the walk has too few blocks a SM", "fig-stage2-waves"),
+     "narrower slices where the walk has too few blocks a SM", "fig-state-slicing"),
     ("one wave", ("ONE_WAVE_CHUNK", "ONE_WAVE_STATE"),
-     "whole states where the default slices need a second wave", "fig-stage2-waves"),
+     "whole states where the default slices need a second wave", "fig-state-slicing"),
     ("groups of chunks", ("GROUPED_WALK", "GROUPED_MIN_CHUNKS"),
      "few long sequences walk in groups of chunks", "chapter 06"),
     ("small states", ("SMALL_STATE", "SMALL_STATE_SCAN", "SMALL_STATE_AT"),
@@ -60,10 +63,10 @@ RULES = [
      "chunk_scan at the other chunk sizes: row tiles of two heads", "chapter 10"),
     ("chunk 64 tiles", ("CHUNK64", "CHUNK64_SCAN"),
      "chunk_scan at chunk 64: whole-chunk tiles of one head, each loaded once",
-     "layout-scan-tiles, layout-occupancy"),
+     "fig-scan-tiles, fig-occupancy"),
     ("one kernel", ("FUSED_SCAN_CHUNK", "FUSED_SCAN_MAX_STATE", "FUSED_SCAN_MIN_FILL",
                     "FUSED_SCAN_MAX_WAVES"),
-     "stages 2 and 3 in one kernel where its b x h blocks fill the GPU", "fig-one-kernel-fill"),
+     "stages 2 and 3 in one kernel where its b x h blocks fill the GPU", "fig-one-kernel"),
 ]
 
 
