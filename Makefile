@@ -19,7 +19,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym clean
+.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym resources clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -68,7 +68,7 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 #                per core, since compiling the kernel variants dominates) and first calls
 #   gpu-bench    the models and serving suites against mamba_ssm and TileGym, and TileGym tuned
 #                replayed
-#   gpu-study    the layout study and the SSD's share of the Mamba-2 layer
+#   gpu-study    the layout study, the SSD's share of the Mamba-2 layer and a prefill grid
 #   gpu-results  chapters 04-08 executed (they time kernels live and record what they show)
 # The layer calls our SSD at chunk 64 and mamba_ssm's at 256, each one's fastest on most
 # models shapes (chapter 10).
@@ -86,8 +86,16 @@ gpu-bench:
 gpu-study:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite study --reps 20
 	$(GPU_PYTHON) -m ssd.tools.endtoend --only share --reps 10 --chunk-size cutile=64
+	$(GPU_PYTHON) -m ssd.tools.endtoend --only prefill --quick --layers 8 --prefill-reps 5 \
+	  --chunk-size cutile=64
 gpu-results:
 	$(GPU_PYTHON) -m ssd.book.run '0[4-8]*.ipynb'
+
+# make resources: the registers, shared memory and compile time of every kernel of the layout
+# study's points for sm_90 (results/compile/sm_90_resources.json, chapter 9). A CPU compile with
+# no GPU needed; run it at the revision make gpu records.
+resources: $(VENV)/.stamp
+	$(VENV)/bin/python -m ssd.tools.aot --resources
 
 # make gpu-tilegym: TileGym's own autotuner on each models shape (an exhaustive search, minutes a
 # shape), its chosen configurations kept in results/tilegym_tuned.json for gpu-bench to replay.

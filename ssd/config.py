@@ -226,8 +226,9 @@ MEASURED_ARCHS = (9,)
 
 
 # The default rules. Each one names the figure of chapter 9 (notebooks/09_layout_tiling) that
-# measures it; tests/test_config.py pins each rule's bounds and tests/test_aot.py the compile
-# resources (registers, shared memory, no spill on sm_90) that make its occupancy hint hold.
+# measures it, or says where else it is shown; tests/test_config.py pins each rule's bounds and
+# tests/test_aot.py the compile resources (registers, shared memory, no spill on sm_90) that make
+# its occupancy hint hold.
 
 # Stage 2's fused walk fills the GPU with its (b, h, state slices) blocks; below this many blocks
 # a SM, narrower untransposed slices double the blocks. [fig-state-slicing]
@@ -240,19 +241,21 @@ ONE_WAVE_STATE = dict(block_n=128, block_k=32, occupancy=3, transposed=True)
 ONE_WAVE_CHUNK = 64
 
 # chunk_scan at chunk 64: whole-chunk tiles of one head, each tile loaded once, two blocks a SM;
-# one head keeps a never-seen shape's first compile in seconds. [fig-scan-tiles]
+# one head keeps a never-seen shape's first compile in seconds. [fig-scan-tiles, fig-occupancy]
 CHUNK64_SCAN = dict(block_h=1, occupancy=2, whole_chunk=True, shared=True)
 CHUNK64 = 64
 
 # States of at most SMALL_STATE: whole-chunk chunk_scan tiles of one head, loaded once; at chunk
-# 128 two blocks a SM, at 256 back to 64-row tiles (the whole chunk spills there). [fig-scan-tiles]
+# 128 two blocks a SM, at 256 back to 64-row tiles (the whole chunk spills there). [chapter 10:
+# small-state's chunk sizes; no study shape has so small a state]
 SMALL_STATE = 64
 SMALL_STATE_SCAN = dict(block_h=1, whole_chunk=True, shared=True)
 SMALL_STATE_AT = {128: dict(occupancy=2), 256: dict(whole_chunk=False, shared=False)}
 
 # Few long sequences at chunk 64 (too few stage-2 blocks): whole states walked in GROUPED_WALK
 # runs of chunks at once, where those fit in one wave and the sequence spans at least
-# GROUPED_MIN_CHUNKS chunks; shorter walks lose to the group kernel's extra work. [fig-grouped-walk]
+# GROUPED_MIN_CHUNKS chunks; shorter walks lose to the group kernel's extra work. [chapter 6
+# derives it; chapter 10 times long-16k, the models shape that takes it, against the peers]
 GROUPED_WALK = 4
 GROUPED_MIN_CHUNKS = 128
 
