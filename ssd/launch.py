@@ -87,12 +87,17 @@ def capture():
 _launched: set = set()  # kernels launched at least once in this process
 
 
+@functools.lru_cache(maxsize=None)
+def _param_names(kernel) -> tuple:
+    return tuple(inspect.signature(kernel._pyfunc).parameters)  # once a kernel: a launch is hot
+
+
 def kernel_args(kernel, args: dict) -> tuple:
     """``args`` (kernel parameter name -> value) in the order of ``kernel``'s parameters: a
     launcher names every argument, so none can slip into another's place. Raises ValueError
     naming the parameters missing or unknown."""
-    names = tuple(inspect.signature(kernel._pyfunc).parameters)
-    if set(args) != set(names):
+    names = _param_names(kernel)
+    if args.keys() != set(names):
         missing, unknown = sorted(set(names) - set(args)), sorted(set(args) - set(names))
         raise ValueError(f"{kernel._pyfunc.__name__}: missing {missing}, unknown {unknown}")
     return tuple(args[name] for name in names)

@@ -50,6 +50,22 @@ def test_constants_specialise_the_kernel():
     assert names[0] == names[1] != names[2]  # alpha is a runtime scalar, the tile a constant
 
 
+def test_a_launch_names_every_argument_and_only_those():
+    """Launchers pass arguments by name; the launch orders them as the kernel's parameters and
+    refuses a missing or an unknown name instead of shifting the rest into wrong places."""
+    x = torch.empty(8, 8)
+    with launch.capture() as rec:
+        primer.scale_add(x, x, 2.0, out=torch.empty_like(x), tile=(8, 16))
+    kernel = rec[0].kernel
+    named = dict(x=1, y=2, out=3, alpha=4.0, TILE_M=5, TILE_N=6)
+    assert launch.kernel_args(kernel, dict(reversed(named.items()))) == (1, 2, 3, 4.0, 5, 6)
+    assert rec[0].args[3:] == (2.0, 8, 16)
+    for bad, message in ((dict(named, beta=1), r"unknown \['beta'\]"),
+                         ({k: v for k, v in named.items() if k != "y"}, r"missing \['y'\]")):
+        with pytest.raises(ValueError, match=message):
+            launch.kernel_args(kernel, bad)
+
+
 def test_int64_indexing_only_past_2_31_elements():
     """A view of 2**31 + 2**16 elements (stride 0: no memory) switches the index type."""
     small = torch.empty(4, 4, dtype=torch.bfloat16)
