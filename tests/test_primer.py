@@ -14,8 +14,9 @@ pytest.importorskip("cuda.tile")
 
 import cuda.tile as ct  # noqa: E402
 
-from ssd import launch
+from ssd import launch  # noqa: E402
 from ssd.kernels import primer  # noqa: E402
+from ssd.tools import aot  # noqa: E402
 
 KERNELS = {"scale_add_kernel", "row_stats_kernel", "matmul_kernel"}
 
@@ -79,10 +80,10 @@ def test_int64_indexing_only_past_2_31_elements():
     assert rec[0].kernel is primer.build_scale_add_kernel(ct.int32)
     assert rec[1].kernel is primer.build_scale_add_kernel(ct.int64)
     assert len(primer.export(rec[1], "sm_90").data) > 1000
-    text = primer.tileir_text(rec[1])
+    text = aot.tileir_text(rec[1])
     if text is None:
         pytest.skip("tileirdisasm not found next to tileiras")
-    assert "tile<i64>" in text and "tile<i64>" not in primer.tileir_text(rec[0])
+    assert "tile<i64>" in text and "tile<i64>" not in aot.tileir_text(rec[0])
 
 
 # ----------------------------------------------------------------------------- GPU

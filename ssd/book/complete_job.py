@@ -250,11 +250,10 @@ def amdahl_table(endtoend, part="share") -> Table:
     mamba_ssm's SSD), the SSD's speedup k inside it, predicted and measured speedup of the
     job, and the bound 1 / (1 - s)."""
     if part == "share":
-        rows, key = amdahl_rows(endtoend["share"]["rows"]), ("shape",)
+        rows = amdahl_rows(endtoend["share"]["rows"])
     else:
         rows = amdahl_rows(endtoend["prefill"]["rows"], key=PREFILL_KEY, total="latency_ms",
                            part="ssd_ms_total")
-        key = PREFILL_KEY
     for a in rows:
         a["error"] = a["measured"] - a["predicted"]
     heads = {"shape": "shape"} if part == "share" else dict(

@@ -12,10 +12,9 @@ import functools
 import json
 from pathlib import Path
 
-from ..tools.env import ROOT, environment, gpu_slug, is_packed, unpack_rows, write_json
+from ..tools.env import BOOK_GPU, RESULTS, ROOT, environment, gpu_slug, is_packed, unpack_rows, write_json
 
-RESULTS = ROOT / "results"
-DEFAULT_GPU = "h200"  # where the book's recorded results come from
+DEFAULT_GPU = BOOK_GPU  # where the book's recorded results come from
 
 
 @functools.lru_cache(maxsize=None)

@@ -265,29 +265,5 @@ def compile_primer(archs=ARCHS, dtypes=("bfloat16",)) -> list[Exported]:
     return done
 
 
-def tileir_text(record, arch: str = "sm_90") -> str | None:
-    """The Tile IR of a captured launch as text (MLIR), or None without ``tileirdisasm``.
-
-    Exports the architecture-independent TileIR bytecode that cuTile hands to ``tileiras``
-    and disassembles it with ``tileirdisasm``, which ships next to ``tileiras``.
-    """
-    import os
-    import subprocess
-    import tempfile
-
-    from ..tools.doctor import locate_toolchain
-
-    tileiras = locate_toolchain().tileiras.path
-    disasm = os.path.join(os.path.dirname(tileiras), "tileirdisasm") if tileiras else None
-    if not disasm or not os.path.isfile(disasm):
-        return None
-    data = export(record, arch, "tileir_bytecode").data
-    with tempfile.NamedTemporaryFile(suffix=".tilebc") as f:
-        f.write(data)
-        f.flush()
-        done = subprocess.run([disasm, f.name], capture_output=True, text=True, timeout=60)
-    return done.stdout if done.returncode == 0 else None
-
-
 __all__ = ["kernel_source", "constant_params", "scale_add", "row_stats", "matmul", "build_scale_add_kernel", "row_stats_kernel",
-           "matmul_kernel", "capture_primer", "export", "compile_primer", "tileir_text", "Exported", "ARCHS"]
+           "matmul_kernel", "capture_primer", "export", "compile_primer", "Exported", "ARCHS"]

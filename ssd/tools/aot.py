@@ -192,9 +192,10 @@ def study_sms(gpu: str | None = None) -> int:
     around what the API ships for them on that GPU, which depends on the SM count."""
     import json
 
-    from ..book.recordings import result_path
+    from .env import BOOK_GPU, RESULTS
 
-    return json.loads(result_path("study", gpu).read_text())["environment"]["sm_count"]
+    path = RESULTS / (gpu or BOOK_GPU) / "study.json"
+    return json.loads(path.read_text())["environment"]["sm_count"]
 
 
 def resource_points(sms: int) -> list[tuple]:
@@ -251,6 +252,27 @@ def resource_table(points, arch="sm_90", dtype="bfloat16", progress=print) -> li
                              **resource_usage(cubin)))
             progress(f"[aot] {rows[-1]}")
     return rows
+
+
+def tileir_text(record, arch: str = "sm_90") -> str | None:
+    """The Tile IR of a captured launch as text (MLIR), or None without ``tileirdisasm``.
+
+    Exports the architecture-independent TileIR bytecode that cuTile hands to ``tileiras``
+    and disassembles it with ``tileirdisasm``, which ships next to ``tileiras``.
+    """
+    from ..kernels.primer import export
+    from .doctor import locate_toolchain
+
+    tileiras = locate_toolchain().tileiras.path
+    disasm = os.path.join(os.path.dirname(tileiras), "tileirdisasm") if tileiras else None
+    if not disasm or not os.path.isfile(disasm):
+        return None
+    data = export(record, arch, "tileir_bytecode").data
+    with tempfile.NamedTemporaryFile(suffix=".tilebc") as f:
+        f.write(data)
+        f.flush()
+        done = subprocess.run([disasm, f.name], capture_output=True, text=True, timeout=60)
+    return done.stdout if done.returncode == 0 else None
 
 
 def main(argv=None) -> int:
