@@ -31,7 +31,7 @@ test-py: $(VENV)/.stamp
 
 test-nb: $(VENV)/.stamp
 ifneq ($(NOTEBOOKS),)
-	$(VENV)/bin/python -m pytest --nbval-lax --nbval-current-env notebooks/
+	$(VENV)/bin/python -m pytest --nbval-lax --nbval-current-env -n auto --dist loadfile notebooks/
 else
 	@echo "nbval: no notebooks in notebooks/, nothing to run"
 endif
