@@ -46,9 +46,9 @@ def _dims(dims):
 def recurrence_flops(l, p, n):
     """FLOPs of the recurrence for one head over l steps: 5 l p n.
 
-    Per step: the state update h_t = a_t h_{t-1} + (dt_t x_t) B_t^T is a scale, an outer
-    product and an add of a (p, n) matrix, 3 p n; the read-out h_t C_t is a (p, n) @ (n,)
-    product, 2 p n. (The O(p) work of dt_t x_t is not counted.)
+    Per step: the state update h_t = a_t h_{t-1} + (dt_t x_t) B_t^T is a scale, an
+    outer product and an add of a (p, n) matrix, 3 p n; the read-out h_t C_t is a
+    (p, n) @ (n,) product, 2 p n. (The O(p) work of dt_t x_t is not counted.)
     """
     return 5 * l * p * n
 
@@ -56,16 +56,16 @@ def recurrence_flops(l, p, n):
 def quadratic_flops(l, p, n):
     """FLOPs of the quadratic form for one head: l^2 (2 n + 2 p + 1).
 
-    C B^T is an (l, n) @ (n, l) product, 2 l^2 n; the mask L o (C B^T) is l^2 multiplies;
-    (L o C B^T) @ (dt x) is (l, l) @ (l, p), 2 l^2 p. Full l x l matrices are counted,
-    as a dense implementation computes them; skipping the zero upper triangle would
-    roughly halve the count and leave it O(l^2).
+    C B^T is an (l, n) @ (n, l) product, 2 l^2 n; the mask L o (C B^T) is l^2
+    multiplies; (L o C B^T) @ (dt x) is (l, l) @ (l, p), 2 l^2 p. Full l x l matrices
+    are counted, as a dense implementation computes them; skipping the zero upper
+    triangle would roughly halve the count and leave it O(l^2).
     """
     return l * l * (2 * n + 2 * p + 1)
 
 
-def ssd_costs(dims, chunk_size, dtype_bytes=2, state_bytes=4, *, has_z=False,
-              cb_per_group=False):
+def ssd_costs(dims, chunk_size, dtype_bytes=2, state_bytes=4, *,
+              entering_state_bytes=None, has_z=False, cb_per_group=False):
     """FLOPs and compulsory memory traffic of each stage of the chunked SSD forward.
 
     Args:
@@ -73,8 +73,14 @@ def ssd_costs(dims, chunk_size, dtype_bytes=2, state_bytes=4, *, has_z=False,
         chunk_size: q; c = ceil(l / q) chunks.
         dtype_bytes: bytes per element of the inputs and the output: x, dt, B, C, z, y
             (2 for bf16/fp16).
-        state_bytes: bytes per element of every fp32 intermediate: dt_out, dA_cumsum,
-            states, prev_states, final_states (4).
+        state_bytes: bytes per element of the fp32 intermediates: dt_out, dA_cumsum,
+            states, final_states, and prev_states unless entering_state_bytes is
+            given (4).
+        entering_state_bytes: bytes per element of prev_states, the entering states
+            that state_passing writes and chunk_scan reads; None: state_bytes. ``ssd``
+            stores them in x's dtype by default (``StateConfig.state_dtype="input"``),
+            as mamba_ssm does: pass dtype_bytes for that (2 with bf16 inputs), 4 for
+            fp32 entering states.
         has_z: chunk_scan also reads the gate z (b, l, h, p).
         cb_per_group: count C B^T once per group (mamba_ssm computes it in a separate
             batched matmul shared by the h/g heads of a group) instead of once per head
@@ -129,6 +135,7 @@ def ssd_costs(dims, chunk_size, dtype_bytes=2, state_bytes=4, *, has_z=False,
     c = math.ceil(l / q)
     L = c * q  # padded length
     io, st = dtype_bytes, state_bytes
+    est = state_bytes if entering_state_bytes is None else entering_state_bytes
 
     # sizes in elements
     x = b * l * h * p  # x, y and z
@@ -153,13 +160,14 @@ def ssd_costs(dims, chunk_size, dtype_bytes=2, state_bytes=4, *, has_z=False,
         "state_passing": dict(
             flops=2 * b * c * h * p * n,
             bytes_read=(states + b * h * c) * st,
-            bytes_written=(states + final) * st,
+            bytes_written=states * est + final * st,
         ),
         "chunk_scan": dict(
             flops=(2 * b * c * q * q * n * cb_heads  # C B^T
                    + 2 * b * c * h * q * q * p  # (L o C B^T) @ (dt x)
                    + 2 * b * h * L * n * p),  # C @ prev_state^T
-            bytes_read=(x * (2 if has_z else 1) + 2 * bc) * io + (2 * chunked + states) * st,
+            bytes_read=((x * (2 if has_z else 1) + 2 * bc) * io + 2 * chunked * st
+                        + states * est),
             bytes_written=x * io,
         ),
     }

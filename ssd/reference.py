@@ -43,7 +43,10 @@ Semantics (= mamba_ssm ``mamba_chunk_scan_combined``, forward only)
 * seq_idx packs several sequences into one row: where seq_idx[t] != seq_idx[t-1] the
   state restarts (h_{t-1} := 0). The virtual seq_idx[-1] is 0, so initial_states only
   feeds the first sequence when seq_idx[:, 0] == 0. seq_idx must be >= 0 and
-  non-decreasing along l (contiguous packing), which is what mamba_ssm assumes.
+  non-decreasing along l (contiguous packing). That contract is a subset of mamba_ssm's
+  behaviour, on which the two agree: mamba_ssm also takes negative ids, as padding, and
+  its chunk_state leaves tokens whose id is negative out of every chunk's state; the
+  reference rejects negative ids rather than define what they do.
 
 Log units: ``dA_cumsum`` is in natural-log units (exp, not exp2). A kernel that works
 in log2 units scales by log2(e) itself; the reference keeps the paper's convention.
@@ -282,7 +285,8 @@ def check_inputs(
     """Validate the arguments of any public function here and convert them to float64.
 
     Checks, in order: dtypes (real numbers; integers for seq_idx), shapes
-    (``check_shapes``), values (finite; A <= 0; seq_idx >= 0 and non-decreasing;
+    (``check_shapes``), values (finite; A <= 0; seq_idx >= 0 and non-decreasing, the
+    subset of mamba_ssm's seq_idx on which the two agree, see the module docstring;
     0 <= dt_limit lo <= hi). Every error message starts with the argument's name.
 
     Returns:
@@ -463,7 +467,7 @@ def recurrence_states(x, dt, A, B, C, dt_bias=None, initial_states=None, seq_idx
 
 
 def segsum(x):
-    """Segment sums: out[..., t, s] = x[..., s+1] + ... + x[..., t] for s <= t, else -inf.
+    """Segment sums: out[..., t, s] = x[..., s+1] + ... + x[..., t] (s <= t), else -inf.
 
     Args:
         x: (..., T) per-step log-decays (dt' * A).
@@ -606,7 +610,7 @@ def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0
 def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None):
     """Stage 2: the state each chunk would produce on its own (starting from zero).
 
-        states[c] = sum_{s in chunk c} exp(dA_cumsum[last] - dA_cumsum[s]) dt'_s x_s B_s^T
+        states[c] = sum_{s in c} exp(dA_cumsum[last] - dA_cumsum[s]) dt'_s x_s B_s^T
 
     Args:
         B: (b, l, g, n). x: (b, l, h, p).
@@ -689,7 +693,7 @@ def state_passing(states, dA_cumsum, initial_states=None, seq_idx=None, chunk_si
 def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=None):
     """Stage 4: the outputs -- diagonal block + off-diagonal term + D skip + z gate.
 
-        y_t = sum_{s <= t in t's chunk} (C_t . B_s) exp(dA_cumsum[t] - dA_cumsum[s]) dt'_s x_s
+        y_t = sum_{s<=t in chunk} (C_t . B_s) exp(dA_cumsum[t] - dA_cumsum[s]) dt'_s x_s
               + exp(dA_cumsum[t]) C_t . prev_states[chunk of t]
               + D x_t ;   then y_t *= silu(z_t)
 

@@ -85,3 +85,19 @@ def test_bad_chunk_size(bad):
 def test_bad_dims():
     with pytest.raises(ValueError, match="dims"):
         ssd_costs((1, 4, 3, 3, 5, 2), 2)
+
+
+def test_entering_state_bytes():
+    # prev_states (b, c, h, p, n) is written by state_passing and read by chunk_scan; only
+    # those two terms change with the entering states' dtype, and None means state_bytes.
+    dims, q = (2, 10, 4, 3, 5, 2), 4  # c = 3
+    prev = 2 * 3 * 4 * 3 * 5
+    fp32 = ssd_costs(dims, q)
+    assert ssd_costs(dims, q, entering_state_bytes=4) == fp32
+    bf16 = ssd_costs(dims, q, entering_state_bytes=2)
+    assert fp32["state_passing"]["bytes_written"] - bf16["state_passing"]["bytes_written"] == 2 * prev
+    assert fp32["chunk_scan"]["bytes_read"] - bf16["chunk_scan"]["bytes_read"] == 2 * prev
+    for stage in ("chunk_cumsum", "chunk_state"):
+        assert bf16[stage] == fp32[stage]
+    assert bf16["state_passing"]["bytes_read"] == fp32["state_passing"]["bytes_read"]
+    assert fp32["total"]["bytes"] - bf16["total"]["bytes"] == 4 * prev
