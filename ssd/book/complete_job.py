@@ -5,14 +5,14 @@ Every function takes the loaded recordings (``ssd.book.recordings.load_recorded`
 ``endtoend`` is ``results/<gpu>/endtoend.json`` as ``python -m ssd.tools.endtoend`` writes it
 (parts ``share``: one mixer per benchmark shape; ``prefill``: stacks of mixers over a prompt),
 ``models`` is the models suite (for the copy bandwidth and matmul rate it measured). Tables are
-:class:`Table` objects (rows of dicts that Jupyter shows as Markdown); figures are matplotlib
-``Figure`` objects.
+:class:`ssd.book.tables.Table` objects; figures are matplotlib ``Figure`` objects.
 """
 from __future__ import annotations
 
 import math
 
 from ..tools.endtoend import BASE, NEW, amdahl, amdahl_rows
+from .tables import Table
 
 #: How the two SSD backends are named in tables and legends.
 LABEL = {NEW: "ours (cuTile)", BASE: "mamba_ssm (Triton)"}
@@ -21,111 +21,8 @@ COLOR = {NEW: "C0", BASE: "C1"}
 PREFILL_KEY = ("config", "n_layers", "batch", "seqlen")
 
 
-class Table:
-    """Rows of dicts with column formats; Jupyter (and the book) show it as a Markdown table.
-
-    Args:
-        rows: list of dicts, one per row.
-        columns: {key: header} in display order (default: the first row's keys).
-        formats: {key: format spec} such as ``"{:.3f}"`` or a callable; other cells ``str``.
-    """
-
-    def __init__(self, rows, columns=None, formats=None):
-        self.rows = list(rows)
-        first = self.rows[0] if self.rows else {}
-        self.columns = dict(columns) if columns else {k: k for k in first}
-        self.formats = dict(formats or {})
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-    def column(self, key):
-        """The values of one column, in row order."""
-        return [r[key] for r in self.rows]
-
-    def cell(self, row, key) -> str:
-        value, fmt = row.get(key), self.formats.get(key)
-        if value is None:
-            return "-"
-        if callable(fmt):
-            return fmt(value)
-        return fmt.format(value) if fmt else str(value)
-
-    def _repr_markdown_(self):
-        esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
-        lines = ["| " + " | ".join(esc(h) for h in self.columns.values()) + " |",
-                 "|" + " --- |" * len(self.columns)]
-        lines += ["| " + " | ".join(esc(self.cell(r, k)) for k in self.columns) + " |"
-                  for r in self.rows]
-        return "\n".join(lines)
-
-    def __repr__(self):
-        return self._repr_markdown_()
-
-
-#: The widest line a code block of the book shows without a scroll bar (ssd.book.browser_check).
-WIDTH = 88
-
-
-def wrap(text: str, width: int = WIDTH) -> str:
-    """``text`` with every line longer than ``width`` broken at spaces, the continuation
-    indented two spaces more than the line: printed output that fits the book's code column."""
-    import textwrap
-
-    out = []
-    for line in str(text).splitlines():
-        if len(line) <= width:
-            out.append(line)
-            continue
-        indent = line[:len(line) - len(line.lstrip())]
-        out += textwrap.wrap(line, width, subsequent_indent=indent + "  ", break_long_words=True,
-                             break_on_hyphens=False) or [""]
-    return "\n".join(out)
-
-
-def show_source(obj, width: int = WIDTH) -> str:
-    """The source of a function or class, fitted to ``width``: runs of whole-line comments
-    reflowed, and a trailing comment that makes a line too long moved above it."""
-    import inspect
-    import textwrap
-
-    lines, out, comment = inspect.getsource(obj).splitlines(), [], []
-
-    def flush():
-        if comment:
-            indent = comment[0][:len(comment[0]) - len(comment[0].lstrip())]
-            text = " ".join(c.strip()[1:].strip() for c in comment)
-            out.extend(textwrap.wrap(text, width, initial_indent=indent + "# ",
-                                     subsequent_indent=indent + "# "))
-            comment.clear()
-
-    for line in lines:
-        if line.lstrip().startswith("#"):
-            comment.append(line)
-            continue
-        flush()
-        if len(line) > width and "  # " in line:
-            code, note = line.split("  # ", 1)
-            indent = line[:len(line) - len(line.lstrip())]
-            out.append(f"{indent}# {note.strip()}")
-            line = code.rstrip()
-        out.append(line)
-    flush()
-    return "\n".join(out)
-
-
 def pct(v) -> str:
     return f"{100 * v:.1f}\u00a0%"  # no break before the sign
-
-
-def times(v) -> str:
-    return f"{v:.3f}x"
 
 
 # ----------------------------------------------------------------------------- Amdahl's law
@@ -385,7 +282,6 @@ def plot_amdahl(endtoend, shares=(0.05, 0.1, 0.15, 0.2, 0.3), k_max=4.0):
     return fig
 
 
-__all__ = ["Table", "LABEL", "WIDTH", "wrap", "show_source", "amdahl_grid", "rest_costs",
-           "rest_floor_ms", "ssd_floor_ms",
-           "cost_table", "time_split", "amdahl_table", "prefill_table", "rest_floor_table",
-           "plot_time_split", "plot_amdahl"]
+__all__ = ["LABEL", "amdahl_grid", "rest_costs", "rest_floor_ms", "ssd_floor_ms", "cost_table",
+           "time_split", "amdahl_table", "prefill_table", "rest_floor_table", "plot_time_split",
+           "plot_amdahl"]

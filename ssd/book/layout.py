@@ -10,20 +10,18 @@ Every function reads recordings that are already loaded, and times and compiles 
   of the stage-2 and ``chunk_scan`` kernels of every point of the study, compiled for sm_90;
 * ``models`` (optional): the models run, for the copy bandwidth it measured.
 
-Tables come back as :class:`Table` (rows of dicts; shown as HTML in the notebook), figures as
-matplotlib Figures made without pyplot, so a notebook shows each once. The study's shapes are
-whatever the recording holds.
+Tables come back as :class:`ssd.book.tables.Table`, figures as matplotlib Figures made without
+pyplot, so a notebook shows each once. The study's shapes are whatever the recording holds.
 """
 from __future__ import annotations
 
-import html
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from .. import config as cfgmod
 from ..config import FusedScanConfig, SSDConfig, fused_scan_fills
 from ..cost import ssd_costs
 from ..tools import bench
+from .tables import Table
 
 # An sm_90 SM, for how many blocks of a compiled kernel fit on one: 64 K 32-bit registers, given
 # out 8 a thread at a time, and 228 KiB of shared memory with 1 KiB reserved a block. The stage-2
@@ -73,54 +71,6 @@ RULES = [
 # The fields a rule's dataclass defaults are quoted by.
 DEFAULT_FIELDS = {"StateConfig": ("fused", "block_n", "transposed", "occupancy"),
                   "ScanConfig": ("block_h", "block_m", "whole_chunk", "occupancy")}
-
-# ----------------------------------------------------------------------------- tables
-
-
-@dataclass
-class Table:
-    """A small table: ``rows`` are dicts keyed by ``columns``; ``formats`` maps a column to a
-    format spec (a missing value shows as a dash). Renders as HTML in a notebook, with spaces
-    for the underscores of its column names."""
-
-    columns: list
-    rows: list
-    formats: dict = field(default_factory=dict)
-
-    def column(self, name):
-        return [r.get(name) for r in self.rows]
-
-    def where(self, **match) -> list:
-        return [r for r in self.rows if all(r.get(k) == v for k, v in match.items())]
-
-    def _cell(self, col, value) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return "–"
-        fmt = self.formats.get(col)
-        return format(value, fmt) if fmt else str(value)
-
-    def __repr__(self) -> str:
-        cells = [[self._cell(c, r.get(c)) for c in self.columns] for r in self.rows]
-        widths = [max([len(str(c))] + [len(row[i]) for row in cells])
-                  for i, c in enumerate(self.columns)]
-        line = lambda items: "  ".join(f"{s:>{w}}" for s, w in zip(items, widths))  # noqa: E731
-        return "\n".join([line(self.columns)] + [line(row) for row in cells])
-
-    def _repr_html_(self) -> str:
-        esc = html.escape
-
-        def cell(tag, text, number):
-            align = "right" if number else "left"
-            return (f'<{tag} style="padding: 0.2em 0.5em; text-align: {align}">'
-                    f"{esc(text)}</{tag}>")
-
-        numeric = {c: all(isinstance(r.get(c), (int, float)) or r.get(c) is None
-                          for r in self.rows) for c in self.columns}
-        head = "".join(cell("th", str(c).replace("_", " "), numeric[c]) for c in self.columns)
-        body = "".join("<tr>" + "".join(cell("td", self._cell(c, r.get(c)), numeric[c])
-                                        for c in self.columns) + "</tr>" for r in self.rows)
-        return (f'<table style="border-collapse: collapse"><thead><tr>{head}</tr></thead>'
-                f"<tbody>{body}</tbody></table>")
 
 
 def _plain_ticks(axis, ticks):
@@ -195,7 +145,7 @@ def study_table(study) -> Table:
         dflt = default_row(study, s)
         rows.append(dict(shape=s, **dict(zip("blhpng", d)), points=len(mine),
                          default=dflt["label"], ms=dflt["median_ms"]))
-    return Table(["shape", *"blhpng", "points", "ms", "default"], rows, {"ms": ".3f"})
+    return Table(rows, ["shape", *"blhpng", "points", "ms", "default"], {"ms": ".3f"})
 
 
 # ----------------------------------------------------------------------------- compiled resources
@@ -288,7 +238,7 @@ def traffic_table(study, bandwidth=None) -> Table:
     if not bandwidth:
         cols = [c for c in cols if not c.endswith("floor ms")]
     fmt = {c: (".0f" if c.endswith("MB") else ".3f") for c in cols[1:]}
-    return Table(cols, rows, fmt)
+    return Table(rows, cols, fmt)
 
 
 # ----------------------------------------------------------------------------- chunk size
@@ -311,8 +261,9 @@ def chunk_size_table(study) -> Table:
                              scan_gflop=mb["scan flops"] / 1e9,
                              one_kernel="yes" if config_of(r).fused_scan.enabled else "no",
                              ms=r["median_ms"], ratio=r["median_ms"] / dflt["median_ms"]))
-    return Table(["shape", "q", "chunks", "states_mb", "scan_gflop", "one_kernel", "ms", "ratio"],
-                 rows, {"states_mb": ".0f", "scan_gflop": ".1f", "ms": ".3f", "ratio": ".3f"})
+    return Table(rows, ["shape", "q", "chunks", "states_mb", "scan_gflop", "one_kernel", "ms",
+                        "ratio"], {"states_mb": ".0f", "scan_gflop": ".1f", "ms": ".3f",
+                                   "ratio": ".3f"})
 
 
 def plot_chunk_size(study):
@@ -381,7 +332,7 @@ def split_table(study, resources, bandwidth=None) -> Table:
             "pass_regs", "pass_spill"]
     if not bandwidth:
         cols.remove("bytes_ms")
-    return Table(cols, rows, {"extra_mb": ".0f", "bytes_ms": ".3f", "extra_ms": ".3f",
+    return Table(rows, cols, {"extra_mb": ".0f", "bytes_ms": ".3f", "extra_ms": ".3f",
                               "ratio": ".2f"})
 
 
@@ -410,8 +361,8 @@ def stage2_table(study, resources) -> Table:
                              waves=blocks / (fit * sms) if fit else None,
                              regs=use and use["registers"], spill=use and use["stack_bytes"],
                              ratio=1.0 if r is base else ratio_to_reference(study, r)))
-    return Table(["shape", "factor", "block_n", "occupancy", "blocks", "fit", "waves", "regs",
-                  "spill", "ratio"], rows, {"waves": ".2f", "ratio": ".3f"})
+    return Table(rows, ["shape", "factor", "block_n", "occupancy", "blocks", "fit", "waves",
+                        "regs", "spill", "ratio"], {"waves": ".2f", "ratio": ".3f"})
 
 
 def plot_stage2_waves(study, resources):
@@ -499,7 +450,7 @@ def scan_tiles_table(study, resources) -> Table:
     points = _points_by_change(study, ("scan tile", "scan block_h", "scan whole chunk",
                                        "scan loads"), "scan", SCAN, resources)
     cols = ["change", "regs", "spill", "shared_KiB", "fit", "compile_s", *shapes(study)]
-    return Table(cols, _resource_rows(study, points),
+    return Table(_resource_rows(study, points), cols,
                  {"shared_KiB": ".0f", "compile_s": ".1f", **{s: ".3f" for s in shapes(study)}})
 
 
@@ -518,7 +469,7 @@ def occupancy_table(study, resources) -> Table:
             row["hint"] = f"{hint} (shipped)" if row.pop("change") == "(shipped)" else hint
             rows.append(row)
     cols = ["kernel", "hint", "regs", "spill", "shared_KiB", "fit", "compile_s", *shapes(study)]
-    return Table(cols, rows, {"shared_KiB": ".0f", "compile_s": ".1f",
+    return Table(rows, cols, {"shared_KiB": ".0f", "compile_s": ".1f",
                               **{s: ".3f" for s in shapes(study)}})
 
 
@@ -556,8 +507,8 @@ def one_kernel_table(study, shapes_dims=None) -> Table:
         rows.append(dict(shape=name, **f, studied="yes" if name in dims_of(study) else "no",
                          one_over_three=one["median_ms"] / three["median_ms"]
                          if one and three and one is not three else None))
-    return Table(["shape", "blocks", "slots", "load", "waves", "fill", "takes", "studied",
-                  "one_over_three"], rows, {"load": ".2f", "fill": ".2f", "one_over_three": ".3f"})
+    return Table(rows, ["shape", "blocks", "slots", "load", "waves", "fill", "takes", "studied",
+                        "one_over_three"], {"load": ".2f", "fill": ".2f", "one_over_three": ".3f"})
 
 
 def plot_one_kernel_fill(study, shapes_dims=None):
@@ -611,7 +562,7 @@ def rules_table() -> Table:
             values.append(f"{c} = {v}")
         rows.append(dict(rule=name, constants="; ".join(values), decides=decides,
                          evidence=evidence))
-    return Table(["rule", "decides", "constants", "evidence"], rows)
+    return Table(rows, ["rule", "decides", "constants", "evidence"])
 
 
 def _fields(d) -> str:
@@ -648,7 +599,7 @@ def shipped_table(study, shapes_dims=None) -> Table:
         rows.append(dict(shape=name, walk_blocks=stage2_blocks(d, cfg.state),
                          rules=", ".join(taken) or "none",
                          shipped=bench.config_label(bench.OUR_CHUNK, cfg)))
-    return Table(["shape", "walk_blocks", "rules", "shipped"], rows)
+    return Table(rows, ["shape", "walk_blocks", "rules", "shipped"])
 
 
 def default_vs_best(study) -> Table:
@@ -662,9 +613,9 @@ def default_vs_best(study) -> Table:
         rows.append(dict(shape=s, default_ms=dflt["median_ms"], best_ms=best["median_ms"],
                          gap_pct=100 * (dflt["median_ms"] / best["median_ms"] - 1),
                          band_pct=100 * band, best_factor=best["factor"], best=best["label"]))
-    return Table(["shape", "default_ms", "best_ms", "gap_pct", "band_pct", "best_factor", "best"],
-                 rows, {"default_ms": ".3f", "best_ms": ".3f", "gap_pct": ".1f",
-                        "band_pct": ".1f"})
+    return Table(rows, ["shape", "default_ms", "best_ms", "gap_pct", "band_pct", "best_factor",
+                        "best"], {"default_ms": ".3f", "best_ms": ".3f", "gap_pct": ".1f",
+                                  "band_pct": ".1f"})
 
 
 FACTOR_GROUPS = (("chunk size", ("chunk size",)), ("one kernel", ("one kernel",)),

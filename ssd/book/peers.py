@@ -1,8 +1,8 @@
 """The peers chapter (notebooks/10_peers): ours beside mamba_ssm and TileGym, from the recordings.
 
 Every function takes the loaded recording dicts (``ssd.book.recordings.load_recorded``) and
-returns a :class:`Table` (rows of plain values, shown as HTML in the book and as fixed-width text
-elsewhere) or a matplotlib ``Figure``; nothing here runs a kernel. The recordings:
+returns a :class:`ssd.book.tables.Table` or a matplotlib ``Figure``; nothing here runs a
+kernel. The recordings:
 
 * ``models``: the ``models`` suite of ``python -m ssd.tools.bench``: ours and mamba_ssm at chunk
   sizes 64/128/256, TileGym untuned at 64, each in CUDA-graph replay and eager launches, with L2
@@ -18,13 +18,12 @@ inputs): a peer's time over ours, each at its fastest chunk size.
 """
 from __future__ import annotations
 
-import html
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..tools.bench import FUSED_SCAN_STAGE
+from .tables import Table
 
 #: How the chapter names each implementation, and its colour in every figure.
 LABELS = {"ssd": "ours", "mamba_ssm": "mamba_ssm", "tilegym": "TileGym",
@@ -43,72 +42,7 @@ WORK_COLORS = {"chunk_cumsum": "0.6", "states": "C4", "outputs": "C9",
                "states + outputs": "C8"}
 
 
-# ----------------------------------------------------------------------------- tables
-
-
-@dataclass
-class Table:
-    """A small table: ``rows`` (dicts, which may hold more keys than are shown), the
-    ``columns`` shown, a format (a format spec or a callable) per column, and the header shown
-    for a column where it differs from the key (``labels``)."""
-
-    columns: list
-    rows: list
-    formats: dict = field(default_factory=dict)
-    labels: dict = field(default_factory=dict)
-
-    def select(self, columns) -> "Table":
-        """The same rows with other columns shown."""
-        return Table(list(columns), self.rows, self.formats, self.labels)
-
-    def _header(self, col) -> str:
-        return str(self.labels.get(col, col))
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __iter__(self):
-        return iter(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
-
-    def column(self, name) -> list:
-        return [r.get(name) for r in self.rows]
-
-    def find(self, **match) -> dict:
-        """The one row whose values equal ``match``."""
-        hits = [r for r in self.rows if all(r.get(k) == v for k, v in match.items())]
-        if len(hits) != 1:
-            raise KeyError(f"{len(hits)} rows match {match}")
-        return hits[0]
-
-    def _cell(self, col, value) -> str:
-        if value is None or (isinstance(value, float) and math.isnan(value)):
-            return "–"
-        if isinstance(value, str):
-            return value
-        fmt = self.formats.get(col)
-        if callable(fmt):
-            return fmt(value)
-        return format(value, fmt) if fmt else str(value)
-
-    def _text(self):
-        cells = [[self._cell(c, r.get(c)) for c in self.columns] for r in self.rows]
-        heads = [self._header(c) for c in self.columns]
-        widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(heads)]
-        line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
-        return "\n".join([line(heads)] + [line(row) for row in cells])
-
-    def __repr__(self):
-        return self._text()
-
-    def _repr_html_(self):
-        head = "".join(f"<th>{html.escape(self._header(c))}</th>" for c in self.columns)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(self._cell(c, r.get(c)))}</td>"
-                                         for c in self.columns) + "</tr>" for r in self.rows)
-        return (f'<table style="font-size: 85%"><thead><tr>{head}</tr></thead>'
-                f"<tbody>{body}</tbody></table>")
+# ----------------------------------------------------------------------------- helpers
 
 
 def geomean(values) -> float:
@@ -120,15 +54,23 @@ def _dims(dims) -> str:
     return "×".join(str(d) for d in dims)
 
 
-def _plain_log_ticks(axis):
-    """Label a log axis with plain numbers at its major ticks only."""
+def _log_axes(ax, log, xlabel, ylabel, title, **legend):
+    """Log scales on the axes named in ``log`` ("x", "xy"), labelled with plain numbers at their
+    major ticks only; the axis labels, title and legend at the chapter's font sizes."""
     from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
-    fmt = ScalarFormatter()
-    fmt.set_scientific(False)
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-    axis.set_major_formatter(fmt)
-    axis.set_minor_formatter(NullFormatter())
+    for name in log:
+        getattr(ax, f"set_{name}scale")("log")
+        fmt, axis = ScalarFormatter(), getattr(ax, f"{name}axis")
+        fmt.set_scientific(False)
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(fmt)
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(title, fontsize=9)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, **legend)
 
 
 # ----------------------------------------------------------------------------- records
@@ -193,7 +135,7 @@ def method_table(payload) -> Table:
         ("ceilings (same run)", f"copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
                                 f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s"),
     ]
-    return Table(["what", "how"], [dict(what=k, how=v) for k, v in rows])
+    return Table([dict(what=k, how=v) for k, v in rows], ["what", "how"])
 
 
 # ----------------------------------------------------------------------------- headline
@@ -239,7 +181,7 @@ def headline(payload, replayed=None, mode="graph", l2="flushed") -> Table:
     if replayed is None:
         cols.remove("x_tilegym_tuned")
     x = lambda v: f"{v:.2f}×"  # noqa: E731
-    return Table(cols, rows, {"tilegym_ms": ".3f", "band_pct": ".1f", "x_mamba_ssm": x,
+    return Table(rows, cols, {"tilegym_ms": ".3f", "band_pct": ".1f", "x_mamba_ssm": x,
                               "x_tilegym": x, "x_tilegym_tuned": x},
                  {"dims": "b×l×h×p×n×g", "ours": "ours ms (chunk)", "band_pct": "ours q20–q80 %",
                   "mamba_ssm": "mamba_ssm ms (chunk)", "tilegym_ms": "TileGym untuned ms",
@@ -259,7 +201,7 @@ def chunk_table(payload, mode="graph", l2="flushed") -> Table:
                 f = fastest[r["shape"], r.get("dtype", "bfloat16")]
                 rows.append(dict(impl=impl, shape=r["shape"], chunk_size=r["chunk_size"],
                                  ms=r["median_ms"], vs_fastest=r["median_ms"] / f["median_ms"]))
-    return Table(["impl", "shape", "chunk_size", "ms", "vs_fastest"], rows,
+    return Table(rows, ["impl", "shape", "chunk_size", "ms", "vs_fastest"],
                  {"ms": ".3f", "vs_fastest": ".3f"})
 
 
@@ -315,7 +257,7 @@ def stage_table(payload, replayed=None) -> Table:
         for shape, st in replayed.get("tilegym_stages", {}).items():
             add("tilegym_replayed", rec, shape, "ssd", st["ssd_chunk_size"], st["ssd"])
             add("tilegym_replayed", rec, shape, "tilegym_tuned", 64, st["tilegym_tuned"])
-    return Table(["source", "shape", "impl", "chunk_size", "kernel", "work", "ms"], rows,
+    return Table(rows, ["source", "shape", "impl", "chunk_size", "kernel", "work", "ms"],
                  {"ms": ".4f"})
 
 
@@ -336,7 +278,7 @@ def work_table(stages: Table) -> Table:
         g["sum_over_forward"] = g["forward_ms"] and g["sum_ms"] / g["forward_ms"]
     cols = ["source", "shape", "impl", "chunk_size", "kernels", *WORK_COLORS, "sum_ms",
             "forward_ms", "sum_over_forward"]
-    return Table(cols, rows, {k: ".3f" for k in (*WORK_COLORS, "sum_ms", "forward_ms",
+    return Table(rows, cols, {k: ".3f" for k in (*WORK_COLORS, "sum_ms", "forward_ms",
                                                    "sum_over_forward")})
 
 
@@ -412,9 +354,9 @@ def floor_table(payload, replayed=None) -> Table:
                             / ceil["copy_bytes_per_s"])
         rows.append(row)
     pct = ".1f"
-    return Table(["shape", "floor_MB", "floor_GFLOP", "flop_per_byte", "bound", "floor_us",
-                  "ssd_pct", "mamba_ssm_pct", "tilegym_pct", "tilegym_tuned_pct",
-                  "ours_kernels", "states_us"], rows,
+    return Table(rows, ["shape", "floor_MB", "floor_GFLOP", "flop_per_byte", "bound", "floor_us",
+                        "ssd_pct", "mamba_ssm_pct", "tilegym_pct", "tilegym_tuned_pct",
+                        "ours_kernels", "states_us"],
                  {"floor_MB": ".0f", "floor_GFLOP": ".1f", "flop_per_byte": ".0f",
                   "floor_us": ".1f",
                   "ssd_pct": pct, "mamba_ssm_pct": pct, "tilegym_pct": pct,
@@ -446,15 +388,8 @@ def plot_roofline(payload, replayed=None):
         ax.scatter([r["floor_flops"] / r["floor_bytes"] for r in recs.values()],
                    [r["floor_flops"] / (r["median_ms"] * 1e-3) / 1e12 for r in recs.values()],
                    s=14, color=COLORS[impl], label=LABELS[impl])
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log_ticks(ax.xaxis)
-    _plain_log_ticks(ax.yaxis)
-    ax.set_xlabel("FLOP per compulsory byte", fontsize=8)
-    ax.set_ylabel("TFLOP/s of the floor's FLOPs", fontsize=8)
-    ax.set_title("roofline (ridge dotted)", fontsize=9)
-    ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7, loc="lower right")
+    _log_axes(ax, "xy", "FLOP per compulsory byte", "TFLOP/s of the floor's FLOPs",
+              "roofline (ridge dotted)", loc="lower right")
     t = floor_table(payload, replayed)
     names = t.column("shape")
     w = 0.8 / len(points)
@@ -490,8 +425,8 @@ def cache_launch_table(*payloads) -> Table:
                                  warm_over_flushed=t["graph", "warm"] / t["graph", "flushed"],
                                  eager_over_graph=t["eager", "warm"] / t["graph", "warm"]))
     fmt = {k: ".4f" for k in ("graph_flushed", "graph_warm", "eager_flushed", "eager_warm")}
-    return Table(["shape", "impl", "chunk_size", "MB", *fmt, "warm_over_flushed",
-                  "eager_over_graph"], rows,
+    return Table(rows, ["shape", "impl", "chunk_size", "MB", *fmt, "warm_over_flushed",
+                        "eager_over_graph"],
                  {**fmt, "MB": ".0f", "warm_over_flushed": ".3f", "eager_over_graph": ".2f"})
 
 
@@ -506,13 +441,8 @@ def plot_l2(table: Table):
         ax.scatter([r["MB"] for r in rows], [r["warm_over_flushed"] for r in rows], s=16,
                    color=COLORS[impl], label=LABELS[impl])
     ax.axhline(1, color="k", lw=0.6)
-    ax.set_xscale("log")
-    _plain_log_ticks(ax.xaxis)
-    ax.set_xlabel("compulsory MB per forward (inputs read once, y written once)", fontsize=8)
-    ax.set_ylabel("time warm / flushed", fontsize=8)
-    ax.set_title("What a warm L2 changes (CUDA-graph replay)", fontsize=9)
-    ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7)
+    _log_axes(ax, "x", "compulsory MB per forward (inputs read once, y written once)",
+              "time warm / flushed", "What a warm L2 changes (CUDA-graph replay)")
     fig.tight_layout()
     return fig
 
@@ -531,15 +461,8 @@ def plot_launches(table: Table):
     lo = 1e3 * min(table.column("graph_warm")) / 1.5
     hi = 1e3 * max(table.column("eager_warm")) * 1.5
     ax.plot([lo, hi], [lo, hi], color="k", lw=0.6)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    _plain_log_ticks(ax.xaxis)
-    _plain_log_ticks(ax.yaxis)
-    ax.set_xlabel("CUDA-graph replay, µs", fontsize=8)
-    ax.set_ylabel("eager launches, µs", fontsize=8)
-    ax.set_title("Eager against graph replay (L2 warm)", fontsize=9)
-    ax.tick_params(labelsize=7)
-    ax.legend(fontsize=7)
+    _log_axes(ax, "xy", "CUDA-graph replay, µs", "eager launches, µs",
+              "Eager against graph replay (L2 warm)")
     fig.tight_layout()
     return fig
 
@@ -574,8 +497,8 @@ def first_call_table(payload) -> Table:
                          kernels=len(builds),
                          background_s=sum(sum(v[1:]) for v in builds.values()),
                          tuned_ready_s=r.get("tuned_s"), second_ms=1e3 * r["second_s"]))
-    return Table(["shape", "b×l×h×p×n×g", "first_s", "compiled_in_call_s", "background_s",
-                  "tuned_ready_s", "second_ms"], rows,
+    return Table(rows, ["shape", "b×l×h×p×n×g", "first_s", "compiled_in_call_s",
+                        "background_s", "tuned_ready_s", "second_ms"],
                  {"first_s": ".1f", "compiled_in_call_s": ".1f", "background_s": ".1f",
                   "tuned_ready_s": ".1f", "second_ms": ".0f"},
                  {"first_s": "first call s", "compiled_in_call_s": "compiling in it s",
@@ -600,9 +523,10 @@ def tuning_table(payload, replayed=None) -> Table:
         row["ssd_tuned_s"] = b["ssd"][key].get("tuned_s")
         row["tilegym_search_s"] = source.get(key[0], {}).get("tuning_s")
         rows.append(row)
-    return Table(["shape", "ssd_s", "ssd_tuned_s", "mamba_ssm_s", "tilegym_s", "tilegym_search_s"],
-                 rows, {k: ".1f" for k in ("ssd_s", "ssd_tuned_s", "mamba_ssm_s", "tilegym_s",
-                                           "tilegym_search_s")},
+    return Table(rows, ["shape", "ssd_s", "ssd_tuned_s", "mamba_ssm_s", "tilegym_s",
+                        "tilegym_search_s"],
+                 {k: ".1f" for k in ("ssd_s", "ssd_tuned_s", "mamba_ssm_s", "tilegym_s",
+                                     "tilegym_search_s")},
                  {"ssd_s": "ours s", "ssd_tuned_s": "ours tuned ready s",
                   "mamba_ssm_s": "mamba_ssm s (autotuned)", "tilegym_s": "TileGym untuned s",
                   "tilegym_search_s": "TileGym tuned: search s"})
@@ -627,8 +551,8 @@ def stage_ratios(work: Table) -> Table:
         for w in ("states", "outputs"):
             row[f"x_{w}"] = peer[w] / ours[w] if w in ours and w in peer else None
         rows.append(row)
-    return Table(["shape", "peer", "ours_kernels", "x_stages23", "x_states", "x_outputs",
-                  "outputs_share"], rows,
+    return Table(rows, ["shape", "peer", "ours_kernels", "x_stages23", "x_states", "x_outputs",
+                        "outputs_share"],
                  {k: ".2f" for k in ("x_stages23", "x_states", "x_outputs", "outputs_share")})
 
 

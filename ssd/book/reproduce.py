@@ -5,7 +5,7 @@ to the next.
 The recordings are the JSON files the book reads: ``results/<gpu>/*.json`` (the GPU's folder,
 ``h200`` for the book's own), ``results/compile/*.json`` and any ``results/*.json``.
 :func:`load_recordings` loads them all; the other functions take what it returns, the
-``Makefile``'s text, or single recordings, and return :class:`ssd.book.complete_job.Table`
+``Makefile``'s text, or single recordings, and return :class:`ssd.book.tables.Table`
 objects or matplotlib figures.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ import shlex
 from pathlib import Path
 
 from ..tools.env import ROOT, gpu_slug
-from .complete_job import Table
 from .recordings import DEFAULT_GPU, RESULTS, gpu_available, load_recorded
+from .tables import Table
 
 #: What each recording holds, in a line (a recording not named here shows "-").
 HOLDS = {
