@@ -323,63 +323,62 @@ def plot_block_picture(M, chunk_size, dstate, block=(3, 1)):
         a matplotlib Figure.
     """
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Patch, Polygon, Rectangle
 
     q, c = chunk_size, len(M) // chunk_size
     c_to, c_from = block
-    diag, off = STAGE_COLOURS["chunk_scan"], STAGE_COLOURS["chunk_scan (off-diagonal term)"]
-    fig = Figure(figsize=(7.6, 3.4), dpi=90)
-    ax0, ax1 = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.15]))
+    colour = STAGE_COLOURS
+    off = ("chunk_scan (off-diagonal term)", "state_passing", "chunk_state")  # C, carry, B
+    fig = Figure(figsize=(7.6, 3.3), dpi=90)
+    ax0, ax1 = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=[1, 1.2]))
 
-    with np.errstate(divide="ignore"):
-        ax0.imshow(np.log10(np.abs(M)), cmap="Greys", vmin=-6, vmax=1, interpolation="nearest")
     for i in range(c):
-        for j in range(i + 1):
-            colour, alpha = (diag, 0.45) if i == j else ("none", 0.0)
-            ax0.add_patch(Rectangle((j * q - .5, i * q - .5), q, q, fc=colour, alpha=alpha,
-                                    ec="none"))
-            if i > j:  # off-diagonal: three stripes, the factors' stages right to left
-                for k, stage in enumerate(("chunk_scan (off-diagonal term)", "state_passing",
-                                           "chunk_state")):
-                    ax0.add_patch(Rectangle((j * q - .5 + k * q / 3, i * q - .5), q / 3, q,
-                                            fc=STAGE_COLOURS[stage], alpha=0.35, ec="none"))
-            ax0.add_patch(Rectangle((j * q - .5, i * q - .5), q, q, fill=False, ec="k", lw=0.5))
+        x0, y0 = i * q - .5, i * q - .5  # diagonal block (i, i): its lower triangle
+        ax0.add_patch(Polygon([(x0, y0), (x0, y0 + q), (x0 + q, y0 + q)], closed=True,
+                              fc=colour["chunk_scan"], alpha=0.55, ec="none"))
+        for j in range(i):  # off-diagonal block (i, j): one stripe per factor
+            for k, stage in enumerate(off):
+                ax0.add_patch(Rectangle((j * q - .5 + k * q / 3, i * q - .5), q / 3, q,
+                                        fc=colour[stage], alpha=0.55, ec="none"))
+            ax0.add_patch(Rectangle((j * q - .5, i * q - .5), q, q, fill=False, ec="0.3",
+                                    lw=0.5))
+    with np.errstate(divide="ignore"):
+        texture = np.log10(np.abs(M))
+    texture[np.triu_indices(len(M), 1)] = np.nan  # transparent above the diagonal
+    ax0.imshow(texture, cmap="Greys", vmin=-6, vmax=1, alpha=0.35, interpolation="nearest")
     ax0.add_patch(Rectangle((c_from * q - .5, c_to * q - .5), q, q, fill=False, ec="k", lw=2))
     ax0.set(title=f"blocks of $M$ (Q = {q})", xlabel="source s", ylabel="target t",
-            xticks=[k * q for k in range(c)], yticks=[k * q for k in range(c)])
+            xticks=[k * q for k in range(c)], yticks=[k * q for k in range(c)],
+            xlim=(-.5, c * q - .5), ylim=(c * q - .5, -.5))
 
-    # the factorization of block (c_to, c_from): (Q x N) . scalar . (N x Q), drawn to scale
+    # the factorization of block (c_to, c_from): (Q x N) . scalar . (N x Q), to scale
     ax1.set_axis_off()
-    ax1.set(xlim=(0, 3.3 * q), ylim=(-0.35 * q, 1.15 * q))
-    n_w = max(dstate, q / 8)  # the N side, widened so that a small N stays visible
-    y0 = 0.1 * q
-    ax1.add_patch(Rectangle((0, y0), q, q, fc="0.85", ec="k", lw=1.5))
+    ax1.set(xlim=(0, 3.4 * q), ylim=(-0.05 * q, 1.2 * q))
+    w = max(dstate, q / 8)  # the N side, widened so that a small N stays visible
+    y0 = 0.15 * q
+    ax1.add_patch(Rectangle((0, y0), q, q, fc="0.88", ec="k", lw=1.5))
     ax1.text(q / 2, y0 + q / 2, f"$M_{{{c_to}{c_from}}}$\n$Q \\times Q$", ha="center",
              va="center")
-    ax1.text(1.08 * q, y0 + q / 2, "=", fontsize=14, va="center")
-    x = 1.2 * q
-    ax1.add_patch(Rectangle((x, y0), n_w, q, fc=off, alpha=0.6, ec="k"))
-    ax1.text(x + n_w / 2, y0 - 0.08 * q, "$Q \\times N$", ha="center", va="top", fontsize=8)
-    x += n_w + 0.08 * q
-    ax1.add_patch(Rectangle((x, y0 + q / 2 - n_w / 2), n_w, n_w, fc=STAGE_COLOURS[
-        "state_passing"], alpha=0.6, ec="k"))
-    ax1.text(x + n_w / 2, y0 + q / 2 - n_w / 2 - 0.06 * q, "scalar", ha="center", va="top",
+    ax1.text(1.1 * q, y0 + q / 2, "=", fontsize=14, ha="center", va="center")
+    x = 1.25 * q
+    ax1.add_patch(Rectangle((x, y0), w, q, fc=colour[off[0]], alpha=0.7, ec="k"))
+    ax1.text(x + w / 2, y0 - 0.04 * q, "$Q \\times N$", ha="center", va="top", fontsize=8)
+    x += w + 0.1 * q
+    ax1.add_patch(Rectangle((x, y0 + q / 2 - w / 2), w, w, fc=colour[off[1]], alpha=0.7,
+                            ec="k"))
+    ax1.text(x + w / 2, y0 + q / 2 - w / 2 - 0.04 * q, "scalar", ha="center", va="top",
              fontsize=8)
-    x += n_w + 0.08 * q
-    ax1.add_patch(Rectangle((x, y0 + q - n_w), q, n_w, fc=STAGE_COLOURS["chunk_state"],
-                            alpha=0.6, ec="k"))
-    ax1.text(x + q / 2, y0 + q - n_w - 0.06 * q, "$N \\times Q$", ha="center", va="top",
+    x += w + 0.1 * q
+    ax1.add_patch(Rectangle((x, y0 + q - w), q, w, fc=colour[off[2]], alpha=0.7, ec="k"))
+    ax1.text(x + q / 2, y0 + q - w - 0.04 * q, "$N \\times Q$", ha="center", va="top",
              fontsize=8)
-    ax1.set_title(f"one off-diagonal block, rank $\\leq N$ = {dstate}")
-    legend = [Patch(fc=STAGE_COLOURS["chunk_scan"], alpha=0.6,
-                    label="chunk_scan: diagonal blocks"),
-              Patch(fc=off, alpha=0.6, label="chunk_scan: read the state ($C$ side)"),
-              Patch(fc=STAGE_COLOURS["state_passing"], alpha=0.6,
-                    label="state_passing: carry across chunks"),
-              Patch(fc=STAGE_COLOURS["chunk_state"], alpha=0.6,
-                    label="chunk_state: write the state ($B$ side)")]
-    ax1.legend(handles=legend, loc="lower center", fontsize=7.5, frameon=False, ncol=1,
-               bbox_to_anchor=(0.5, -0.12))
+    ax1.set_title(f"one off-diagonal block: rank $\\leq N$ = {dstate}")
+    legend = [Patch(fc=colour["chunk_scan"], alpha=0.7, label="chunk_scan: diagonal blocks"),
+              Patch(fc=colour[off[0]], alpha=0.7, label="chunk_scan: read the state ($C$)"),
+              Patch(fc=colour[off[1]], alpha=0.7, label="state_passing: carry ($\\gamma$)"),
+              Patch(fc=colour[off[2]], alpha=0.7, label="chunk_state: write the state ($B$)")]
+    ax1.legend(handles=legend, loc="lower right", fontsize=7.5, frameon=False,
+               bbox_to_anchor=(1.0, 0.02))
     fig.tight_layout()
     return fig
 
@@ -455,3 +454,45 @@ __all__ = [
     "plot_block_picture", "chunk_passing_matrix", "HOPPER_FP32_LANES_PER_SM",
     "datasheet_fp32_rate", "scan_versus_chunked",
 ]
+
+
+def chunk_size_costs(dims, chunk_sizes, bandwidth, rate, dtype_bytes=2) -> Table:
+    """FLOPs, bytes and floors of the chunked forward per chunk size (``ssd.cost``).
+
+    Per chunk size q: c, GFLOP and MB (read + written) per stage and in total, FLOPs per byte,
+    and three floors (``ssd.cost.floor_ms`` at ``bandwidth`` bytes/s and ``rate`` FLOP/s, in
+    ms): ``floor`` with the entering states stored in the inputs' dtype (``dtype_bytes``, what
+    ``ssd`` and ``mamba_ssm`` store), ``floor_fp32`` with them in fp32, and ``floor_cb`` in the
+    inputs' dtype with C B^T computed once per group instead of once per head.
+    """
+    from ..cost import floor_ms
+
+    rows = []
+    for q in chunk_sizes:
+        cost = ssd_costs(dims, q, dtype_bytes, entering_state_bytes=dtype_bytes)
+        fp32 = ssd_costs(dims, q, dtype_bytes, entering_state_bytes=4)
+        shared = ssd_costs(dims, q, dtype_bytes, entering_state_bytes=dtype_bytes,
+                           cb_per_group=True)
+        row = dict(q=q, c=math.ceil(getattr(dims, "dims", dims)[1] / q))
+        for s in (*STAGES, "total"):
+            row[f"{s}_gflop"] = cost[s]["flops"] / 1e9
+            row[f"{s}_mb"] = cost[s]["bytes"] / 1e6
+        row["flop_per_byte"] = cost["total"]["flops"] / cost["total"]["bytes"]
+        row["floor"] = floor_ms(cost, bandwidth, rate)
+        row["floor_fp32"] = floor_ms(fp32, bandwidth, rate)
+        row["floor_cb"] = floor_ms(shared, bandwidth, rate)
+        row["bound"] = {s: "memory" if cost[s]["bytes"] / bandwidth > cost[s]["flops"] / rate
+                        else "compute" for s in STAGES}
+        rows.append(row)
+    formats = {f"{s}_gflop": ".2f" for s in STAGES}
+    formats.update({f"{s}_mb": ".1f" for s in STAGES})
+    formats.update(total_gflop=".1f", total_mb=".0f", flop_per_byte=".1f", floor=".3f",
+                   floor_fp32=".3f", floor_cb=".3f")
+    labels = {f"{s}_gflop": s for s in STAGES}
+    labels.update({f"{s}_mb": s for s in STAGES})
+    labels.update(total_gflop="total", total_mb="total", flop_per_byte="FLOP/B",
+                  floor="floor ms", floor_fp32="fp32 states", floor_cb="C Bᵀ per group")
+    return Table(rows, ["q", "c"], formats, labels)
+
+
+__all__ += ["chunk_size_costs"]
