@@ -8,10 +8,17 @@ The GPU tests (``tests/test_gpu_kernels.py``) and the GPU chapters validate a st
    so the error measured is the kernel's and not the cast's;
 3. :func:`poisoned_outputs` -- every output buffer filled with NaN before the launch, so an
    element a kernel forgets to write makes the check fail instead of passing on stale memory;
-4. :func:`rel_err` -- the relative Frobenius error ‖out − ref‖ / ‖ref‖ (inf if any element is
-   not finite), compared with :data:`TOL` for the input dtype (:data:`TOL_CUMSUM` for stage 1).
+4. :func:`check_outputs` -- two criteria per stage output, both must hold:
 
-Tolerances (per input dtype), and why:
+   * the norm: :func:`rel_err`, ‖out − ref‖ / ‖ref‖ (inf if any element is not finite), at
+     most :data:`TOL` for the input dtype (:data:`TOL_CUMSUM` for stage 1);
+   * every element: |out − ref| ≤ atol + rtol·|ref| (:func:`elementwise_bound`,
+     :func:`check_elementwise`), which names the worst element and the tile it lies in.
+
+   The norm alone cannot see one wrong tile of a large output: a zeroed (chunk, head) tile
+   among T tiles moves it by about 1/sqrt(T), under the bf16 tolerance once T > 4,500.
+
+Norm tolerances (per input dtype), and why:
 
 * float32: cuTile runs fp32 MMAs in full fp32 (not TF32: measured errors are ~2e-6). The
   error is then set by exp2 / log approximations and fp32 accumulation over a chunk
@@ -24,12 +31,57 @@ Tolerances (per input dtype), and why:
   (operand and weight) give a few e-3 in norm (2.6e-3 seen): tolerance 1.5e-2.
 * The stage-1 outputs dt_out and dA_cumsum are fp32 arithmetic on rounded inputs: 1e-5.
 
+Elementwise bounds, derived from the unit roundoff u of the input dtype and u32 = 2^-24 of fp32
+(:func:`elementwise_bound`):
+
+* An output element is a sum of K terms t_k accumulated in fp32. Each term is a product of
+  values of which m were rounded to the input dtype on chip (the MMA operands the kernels build:
+  dt- and decay-scaled B in ``chunk_state``, decay-weighted C·Bᵀ and the entering state in
+  ``chunk_scan``), so it carries a relative error of m roundings, each uniform in [-u, u]
+  (standard deviation u/sqrt(3)). Independent errors add in quadrature: the element's error has a
+  standard deviation of about sqrt(m/3)·u·S, S = sqrt(Σ t_k²). The fp32 work adds up to
+  (sqrt(K) + F + D)·u32·S: sqrt(K) for the accumulation, F = 4 units for the exp2, log and
+  sigmoid approximations, and D = max |dA_cumsum| because a decay exp(dA_cumsum[t] −
+  dA_cumsum[s]) is computed from cumulative sums as large as D, whose rounding moves the
+  exponent by up to D·u32. So ε = sqrt(m/3)·u + (sqrt(K) + F + D)·u32.
+* S is not known per element; for terms of random sign it is about the size of the sum itself,
+  or of its neighbours where the sum cancels: S ≈ max(|ref|, scale), scale the RMS of ref over
+  the element's tile (:func:`tile_scale`; for a gated y, the ungated y's times the element's
+  gate). The bound allows Z = 12 standard deviations: rtol = Z·ε + u_store, atol = Z·ε·scale,
+  u_store the rounding of the stored output (y in the input dtype, prev_states in the state
+  dtype). The largest of 10^9 Gaussian errors is about 6 standard deviations; with the kernels'
+  roundings emulated on the CPU (tests/test_validate.py) the worst element of a million also
+  reached about 6 (a few dominant terms of random size make the tails heavier than Gaussian);
+  12 leaves a factor of two. The scale is floored at a tenth of the whole output's RMS (a tile
+  of exact zeros stays zero up to a small absolute error); dt_out's is at least 1: softplus
+  forms 1 + e^x, of order 1, whatever dt' is.
+* Per stage: dt_out m = 0, K = 1; dA_cumsum m = 0, K = q; states m = 1, K = q; prev_states and
+  final_states m = 1, K = q + c (the carries); y m = 2, K = q + n. For y that makes rtol about
+  4.2e-2 in bf16 and 5.3e-3 in fp16, and in fp32 1.3e-5 plus 7e-7 per unit of D (D <= 1.6·q
+  for the test inputs' dt' <= 0.1 and |A| <= 16). Loose next to a kernel's rounding (the
+  emulated kernels' worst element stays under half its bound), and more than 10x tighter than
+  what a wrong tile, a decay off by one position or a dropped carry does to the elements it
+  touches.
+
+A tile is where a kernel's mistake would sit: a (batch, chunk, head) block of y, states and
+prev_states; a (batch, head) block of final_states; a (batch, head, chunk) row of dt_out and
+dA_cumsum. :func:`check_elementwise` reports the worst element, its tile, the largest error per
+tile (relative to its bound) and how many tiles fail.
+
+:data:`FAULTS` and :func:`inject_fault` perturb correct outputs the way a broken kernel would
+(the float64 reference recomputed with the mistake, its difference added to the outputs), so that
+a test can show each such mistake is caught. ``SSD_INJECT_FAULT=all`` (or a comma-separated list
+of names) asks the GPU tests to check every fault on every problem they run
+(:func:`requested_faults`).
+
 Only the constants import without torch; ``DTYPES`` (name -> torch dtype) and the functions
-need it (imported on first use).
+that take tensors need it (imported on first use).
 """
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,6 +98,18 @@ LOW_PRECISION = ("x", "z", "B", "C", "dt")
 #: Stage outputs in stage order (``states`` only exists with the split stage 2).
 STAGE_KEYS = ("dt_out", "dA_cumsum", "states", "prev_states", "final_states", "y")
 
+#: Unit roundoff (half an ulp at 1) of each dtype.
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+#: Standard deviations the elementwise bound allows (see the module doc).
+ELEMENT_Z = 12.0
+#: fp32 units allowed for the on-chip exp2, log and sigmoid approximations.
+FN_UNITS = 4.0
+#: A tile's scale is at least this fraction of the whole output's RMS.
+SCALE_FLOOR = 0.1
+#: The axes that name a tile of each output (the rest of the output's axes lie inside a tile).
+TILE_AXES = {"dt_out": ("b", "h", "c"), "dA_cumsum": ("b", "h", "c"), "states": ("b", "c", "h"),
+             "prev_states": ("b", "c", "h"), "final_states": ("b", "h"), "y": ("b", "c", "h")}
+
 
 def __getattr__(name):  # PEP 562: DTYPES needs torch, the constants above do not
     if name == "DTYPES":
@@ -56,8 +120,12 @@ def __getattr__(name):  # PEP 562: DTYPES needs torch, the constants above do no
 
 
 def tol_for(key: str, dtype: str) -> float:
-    """The tolerance for stage output ``key`` with inputs of ``dtype``."""
+    """The norm tolerance for stage output ``key`` with inputs of ``dtype``."""
     return TOL_CUMSUM if key in ("dt_out", "dA_cumsum") else TOL[dtype]
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs, reference, poisoned outputs
 
 
 def device_inputs(spec: ProblemSpec, seed: int, dtype: str, device="cuda") -> dict:
@@ -75,11 +143,17 @@ def device_inputs(spec: ProblemSpec, seed: int, dtype: str, device="cuda") -> di
     return out
 
 
+def host_inputs(inputs: dict) -> dict:
+    """The inputs as NumPy arrays on the host: floats in float64 (exactly the values the
+    kernels read), integers as they are."""
+    return {k: as_float64(v) if v.is_floating_point() else v.cpu().numpy()
+            for k, v in inputs.items()}
+
+
 def reference_of(spec: ProblemSpec, inputs: dict) -> dict:
     """The float64 reference (every stage, see ``ProblemSpec.reference``) computed from
     exactly the values the kernels read."""
-    return spec.reference({k: v.double().cpu().numpy() if v.is_floating_point() else v.cpu().numpy()
-                           for k, v in inputs.items()})
+    return spec.reference(host_inputs(inputs))
 
 
 def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="float32",
@@ -107,21 +181,259 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="fl
     if split:
         out["states"] = torch.full((b, c, h, p, n), dtype=torch.float32, **nan)
     if groups > 1:
-        from .kernels.state_passing import DECAY_ROW
+        from .kernels.tiles import DECAY_ROW
 
         out["chunk_decay"] = torch.full((b, h, c, DECAY_ROW), dtype=torch.float32, **nan)
         out["group_enter"] = torch.full((b, groups, h, p, n), dtype=getattr(torch, state_dtype), **nan)
     return out
 
 
+def as_float64(out) -> np.ndarray:
+    """A torch tensor (any device, any float dtype) or an array as a float64 NumPy array."""
+    if isinstance(out, np.ndarray):
+        return out.astype(np.float64, copy=False)
+    return out.detach().double().cpu().numpy()
+
+
+# ------------------------------------------------------------------------------------------
+# The norm criterion
+
+
 def rel_err(out, ref: np.ndarray) -> float:
     """‖out − ref‖ / ‖ref‖ (Frobenius; ‖ref‖ = 0 counts as 1); inf if ``out`` has a
-    non-finite element (an unwritten, NaN-poisoned one or an overflow)."""
-    o = out.double().cpu().numpy()
+    non-finite element (an unwritten, NaN-poisoned one or an overflow). ``out``: a torch
+    tensor or a NumPy array."""
+    o = as_float64(out)
     if not np.isfinite(o).all():
         return math.inf  # an unwritten (NaN-poisoned) or overflowed element
     denom = np.linalg.norm(ref)
     return float(np.linalg.norm(o - ref) / (denom if denom > 0 else 1.0))
+
+
+# ------------------------------------------------------------------------------------------
+# The elementwise criterion
+
+
+@dataclass(frozen=True)
+class Bound:
+    """|out − ref| ≤ atol + rtol·|ref| per element, atol = ``arel`` times the element's tile
+    scale (see the module doc). ``eps`` is the error per unit S of one element (one standard
+    deviation); ``m``, ``K`` and ``decay`` (= D) are the inputs of its derivation."""
+
+    key: str
+    dtype: str
+    rtol: float
+    arel: float
+    eps: float
+    m: int
+    K: int
+    decay: float
+
+
+def _stage_model(key: str, q: int, n: int, c: int) -> tuple[int, int, bool]:
+    """(m roundings to the input dtype per term, K fp32 terms, whether decays enter)."""
+    return {"dt_out": (0, 1, False), "dA_cumsum": (0, q, False), "states": (1, q, True),
+            "prev_states": (1, q + c, True), "final_states": (1, q + c, True),
+            "y": (2, q + n, True)}[key]
+
+
+def elementwise_bound(key: str, dtype: str, *, chunk_size: int, dstate: int, nchunks: int,
+                      decay: float = 0.0, state_dtype: str | None = None) -> Bound:
+    """The elementwise bound of stage output ``key`` for inputs of ``dtype``.
+
+    Args:
+        key: a stage output (:data:`STAGE_KEYS`).
+        dtype: the input dtype's name.
+        chunk_size, dstate, nchunks: q, n and c of the problem.
+        decay: D = max |dA_cumsum| of the problem (the largest cumulative log-decay).
+        state_dtype: the dtype prev_states is stored in (default: fp32).
+    """
+    u, u32 = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF["float32"]
+    m, K, decays = _stage_model(key, chunk_size, dstate, nchunks)
+    D = float(decay) if decays else 0.0
+    eps = math.sqrt(m / 3) * u + (math.sqrt(K) + FN_UNITS + D) * u32
+    store = {"y": dtype, "prev_states": state_dtype or "float32"}.get(key, "float32")
+    return Bound(key, dtype, rtol=ELEMENT_Z * eps + UNIT_ROUNDOFF[store], arel=ELEMENT_Z * eps,
+                 eps=eps, m=m, K=K, decay=D)
+
+
+def bound_for(key: str, dtype: str, spec: ProblemSpec, ref: dict,
+              state_dtype: str | None = None) -> Bound:
+    """:func:`elementwise_bound` for ``spec``, D read from the reference's dA_cumsum."""
+    return elementwise_bound(key, dtype, chunk_size=spec.chunk_size, dstate=spec.dstate,
+                             nchunks=spec.nchunks, decay=float(np.abs(ref["dA_cumsum"]).max()),
+                             state_dtype=state_dtype)
+
+
+def _tiled(key: str, a: np.ndarray, q: int, fill=np.nan) -> np.ndarray:
+    """``a`` as (tile grid..., elements of a tile): y (b, l, h, p) -> (b, c, h, q·p), padded with
+    ``fill`` past l; states (b, c, h, p, n) -> (b, c, h, p·n); final_states (b, h, p, n) -> (b, h,
+    p·n); dt_out (b, h, c, q) as it is. Other keys: one tile per leading index."""
+    if key == "y":
+        b, l, h, p = a.shape
+        c = -(-l // q)
+        a = np.concatenate([a, np.full((b, c * q - l, h, p), fill)], axis=1)
+        return a.reshape(b, c, q, h, p).transpose(0, 1, 3, 2, 4).reshape(b, c, h, q * p)
+    if key in ("states", "prev_states"):
+        return a.reshape(a.shape[:3] + (-1,))
+    if key == "final_states":
+        return a.reshape(a.shape[:2] + (-1,))
+    if key in ("dt_out", "dA_cumsum"):
+        return a
+    return a.reshape(a.shape[0], -1)
+
+
+def tile_of(key: str, index: tuple, q: int) -> tuple:
+    """The tile (as :data:`TILE_AXES` names it) that holds element ``index`` of output ``key``."""
+    if key == "y":
+        b, t, h, _ = index
+        return (int(b), int(t) // q, int(h))
+    width = len(TILE_AXES.get(key, ("b",)))
+    return tuple(int(i) for i in index[:width])
+
+
+def tile_scale(key: str, ref: np.ndarray, q: int, gate: np.ndarray | None = None) -> np.ndarray:
+    """Each element's scale (see the module doc), shaped as ``ref``: the RMS of ``ref`` over the
+    element's tile, at least :data:`SCALE_FLOOR` of the whole output's RMS (and at least 1 for
+    dt_out). For y with a gate g = silu(z) (``gate``, shaped as y), the tile's RMS is that of the
+    ungated y = ref / g (from the elements where |g| >= 0.05), times the element's |g|: one
+    element's gate can be 20x its tile's typical one."""
+    whole = math.sqrt(float(np.mean(np.square(ref)))) if ref.size else 0.0
+    values = ref
+    if key == "y" and gate is not None:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            values = np.where(np.abs(gate) >= 0.05, ref / gate, np.nan)
+    tiles = _tiled(key, values, q)
+    with np.errstate(invalid="ignore"):
+        rms = np.sqrt(np.nanmean(np.square(tiles), axis=-1))
+    rms = np.nan_to_num(rms, nan=0.0)
+    scale = np.broadcast_to(rms[..., None], tiles.shape)
+    if key == "y":  # back to (b, l, h, p)
+        b, l, h, p = ref.shape
+        c = tiles.shape[1]
+        scale = scale.reshape(b, c, h, q, p).transpose(0, 1, 3, 2, 4).reshape(b, c * q, h, p)
+        scale = scale[:, :l]
+        if gate is not None:
+            scale = scale * np.abs(gate)
+    scale = np.maximum(scale.reshape(ref.shape), SCALE_FLOOR * whole)
+    return np.maximum(scale, 1.0) if key == "dt_out" else scale
+
+
+@dataclass(frozen=True)
+class ElementCheck:
+    """The elementwise comparison of one output: ``ratio`` is the worst |out − ref| / bound
+    (> 1 fails; inf for a non-finite element) at ``index``, which lies in ``tile``;
+    ``tile_ratio`` holds the worst ratio of every tile (axes :attr:`tile_axes`)."""
+
+    key: str
+    bound: Bound
+    ratio: float
+    index: tuple
+    out: float
+    ref: float
+    tile: tuple
+    tile_axes: tuple
+    tile_ratio: np.ndarray
+    bad_tiles: int
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio <= 1.0
+
+    @property
+    def tiles(self) -> int:
+        return int(self.tile_ratio.size)
+
+    def describe(self) -> str:
+        """One line naming the worst element and its tile (for an assertion message)."""
+        tile = ", ".join(f"{a}={i}" for a, i in zip(self.tile_axes, self.tile))
+        return (f"{self.key}{list(self.index)} = {self.out:.6g}, reference {self.ref:.6g}: "
+                f"{self.ratio:.3g}x its bound (atol {self.bound.arel:.2e}·scale, rtol "
+                f"{self.bound.rtol:.2e}); tile ({tile}), {self.bad_tiles} of {self.tiles} "
+                f"tiles fail")
+
+    def fields(self) -> dict:
+        """The entries a GPU test records for this check (JSON-ready)."""
+        return dict(elem_ratio=self.ratio, elem_index=list(self.index),
+                    elem_tile=list(self.tile), bad_tiles=self.bad_tiles, rtol=self.bound.rtol,
+                    atol_rel=self.bound.arel)
+
+
+def check_elementwise(key: str, out, ref: np.ndarray, bound: Bound, chunk_size: int,
+                      gate: np.ndarray | None = None) -> ElementCheck:
+    """Compare ``out`` (torch tensor or array) with the float64 ``ref`` element by element.
+
+    Every element must satisfy |out − ref| ≤ bound.arel·scale + bound.rtol·|ref|, scale from
+    :func:`tile_scale` (``gate``: silu(z) for y, if the problem has z); a non-finite element
+    fails (ratio inf). Returns the worst element and tile (see :class:`ElementCheck`)."""
+    o = as_float64(out)
+    if o.shape != ref.shape:
+        raise ValueError(f"{key}: output shape {o.shape} != reference shape {ref.shape}")
+    err = np.abs(o - ref)
+    allowed = bound.arel * tile_scale(key, ref, chunk_size, gate) + bound.rtol * np.abs(ref)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0, 0.0, err / allowed)  # 0 / 0: exact; x / 0: inf
+    ratio = np.where(np.isfinite(o), ratio, np.inf)
+    flat = int(np.argmax(ratio)) if ratio.size else 0
+    index = tuple(int(i) for i in np.unravel_index(flat, ratio.shape)) if ratio.size else ()
+    tile_ratio = np.nanmax(_tiled(key, ratio, chunk_size, fill=0.0), axis=-1)
+    worst = float(ratio[index]) if ratio.size else 0.0
+    return ElementCheck(key, bound, worst, index, float(o[index]) if o.size else 0.0,
+                        float(ref[index]) if ref.size else 0.0, tile_of(key, index, chunk_size),
+                        TILE_AXES.get(key, ("b",)), tile_ratio, int((tile_ratio > 1.0).sum()))
+
+
+@dataclass(frozen=True)
+class StageCheck:
+    """Both criteria on one stage output."""
+
+    key: str
+    rel_err: float
+    tol: float
+    elem: ElementCheck
+
+    @property
+    def ok_norm(self) -> bool:
+        return self.rel_err <= self.tol
+
+    @property
+    def ok(self) -> bool:
+        return self.ok_norm and self.elem.ok
+
+    def failure(self) -> str:
+        """What failed ('' if nothing did)."""
+        parts = []
+        if not self.ok_norm:
+            parts.append(f"{self.key}: rel err {self.rel_err:.3e} > {self.tol:.0e}")
+        if not self.elem.ok:
+            parts.append(self.elem.describe())
+        return "; ".join(parts)
+
+    def fields(self) -> dict:
+        return dict(rel_err=self.rel_err, tol=self.tol, **self.elem.fields())
+
+
+def check_outputs(spec: ProblemSpec, got: dict, ref: dict, dtype: str,
+                  state_dtype: str | None = None, z=None) -> dict:
+    """Both criteria on every output in ``got``: {key: :class:`StageCheck`}.
+
+    Args:
+        got: outputs (torch tensors or arrays) keyed as :data:`STAGE_KEYS`; ref: the reference.
+        dtype: the input dtype; state_dtype: prev_states' storage dtype (default fp32).
+        z: the gate input, if the problem has one (tensor or array): y's scale follows silu(z).
+    """
+    from .reference import silu
+
+    gate = None if z is None else silu(as_float64(z))
+    return {key: StageCheck(key, rel_err(out, ref[key]), tol_for(key, dtype),
+                            check_elementwise(key, out, ref[key],
+                                              bound_for(key, dtype, spec, ref, state_dtype),
+                                              spec.chunk_size, gate if key == "y" else None))
+            for key, out in got.items()}
+
+
+# ------------------------------------------------------------------------------------------
+# Running the forward
 
 
 def run_stages(spec: ProblemSpec, inputs: dict, dtype: str, config) -> dict:
@@ -164,3 +476,188 @@ def stage_errors(spec: ProblemSpec, dtype: str, config, seed: int) -> dict:
     ref = reference_of(spec, inputs)
     got = run_stages(spec, inputs, dtype, config)
     return {key: rel_err(got[key], ref[key]) for key in got}
+
+
+# ------------------------------------------------------------------------------------------
+# Injected faults
+
+
+#: The mistakes :func:`inject_fault` can put into correct outputs, and what each models.
+FAULTS = {
+    "tile-unwritten": "one tile of one output never written (it keeps the NaN it was poisoned "
+                      "with)",
+    "tile-zero": "one tile of one output written as zeros (a skipped block, a stale buffer)",
+    "decay-off-by-one": "stages 2 and 3 read one chunk's cumulative decay one position late",
+    "carry-dropped": "one (batch, head)'s state not carried across one chunk border",
+    "padding-leak": "the last partial chunk's padded positions get a step dt' > 0 (one batch "
+                    "row and head), so the state decays past the sequence end",
+}
+#: The faults that hit one tile of one output (the output is named with ``target``).
+TILE_FAULTS = ("tile-unwritten", "tile-zero")
+
+
+def requested_faults(env: str | None = None) -> tuple:
+    """The faults ``SSD_INJECT_FAULT`` asks for: "" or unset -> none; "all" -> every one in
+    :data:`FAULTS`; otherwise a comma-separated list of names (an unknown name raises)."""
+    value = (os.environ.get("SSD_INJECT_FAULT", "") if env is None else env).strip()
+    if not value:
+        return ()
+    if value == "all":
+        return tuple(FAULTS)
+    names = tuple(v.strip() for v in value.split(",") if v.strip())
+    unknown = [v for v in names if v not in FAULTS]
+    if unknown:
+        raise ValueError(f"SSD_INJECT_FAULT: unknown fault {unknown[0]!r}; one of "
+                         f"{', '.join(FAULTS)} or 'all'")
+    return names
+
+
+@dataclass(frozen=True)
+class Injected:
+    """Outputs with one fault in them (float64 arrays keyed as the outputs given), the outputs
+    that changed, and the tile the fault sits in (axes ``tile_axes``)."""
+
+    fault: str
+    outputs: dict
+    changed: tuple
+    tile: tuple
+    tile_axes: tuple
+
+
+def _stages_from(spec: ProblemSpec, host: dict, dt_out, dA_cumsum, states=None) -> dict:
+    """Stages 2 and 3 of the float64 reference from the given stage-1 outputs (and states)."""
+    from .reference import chunk_scan, chunk_state, state_passing
+
+    get = host.get
+    if states is None:
+        states = chunk_state(host["B"], host["x"], dt_out, dA_cumsum, get("seq_idx"))
+    prev, final = state_passing(states, dA_cumsum, get("initial_states"), get("seq_idx"),
+                                spec.chunk_size)
+    y = chunk_scan(host["B"], host["C"], host["x"], dt_out, dA_cumsum, prev, get("D"), get("z"),
+                   get("seq_idx"))
+    return {"dt_out": dt_out, "dA_cumsum": dA_cumsum, "states": states, "prev_states": prev,
+            "final_states": final, "y": y}
+
+
+def inject_fault(fault: str, spec: ProblemSpec, host: dict, ref: dict, got: dict, seed: int = 0,
+                 target: str = "y") -> Injected | None:
+    """``got`` with ``fault`` (a name in :data:`FAULTS`) put in, or None where the problem
+    cannot show it (padding-leak without a partial chunk, carry-dropped with nothing to carry).
+
+    The non-tile faults recompute the float64 reference with the mistake and add its difference
+    from ``ref`` to ``got``, so the outputs keep the kernels' own rounding.
+
+    Args:
+        host: the inputs as float64 arrays (:func:`host_inputs`); ref: their reference.
+        got: the outputs (torch tensors or arrays), keyed as :data:`STAGE_KEYS`.
+        seed: picks the tile, (batch, head) or chunk the fault hits.
+        target: the output a tile fault hits.
+    """
+    if fault not in FAULTS:
+        raise ValueError(f"fault: unknown {fault!r}; one of {', '.join(FAULTS)}")
+    rng = np.random.default_rng(seed)
+    out = {k: as_float64(v).copy() for k, v in got.items()}
+    b, l, h, p, n, g = spec.dims
+    q, c = spec.chunk_size, spec.nchunks
+    if fault in TILE_FAULTS:
+        if target not in out:
+            return None
+        rms = np.sqrt(np.nanmean(np.square(_tiled(target, ref[target], q)), axis=-1))
+        live = np.argwhere(rms > 0)
+        if not len(live):
+            return None
+        tile = tuple(int(i) for i in live[rng.integers(len(live))])
+        value = np.nan if fault == "tile-unwritten" else 0.0
+        view = _tiled(target, out[target], q, fill=0.0)   # a copy for y: write back below
+        view[tile] = value
+        if target == "y":
+            out["y"] = view.reshape(b, c, h, q, p).transpose(0, 1, 3, 2, 4).reshape(
+                b, c * q, h, p)[:, :l].copy()
+        else:
+            out[target] = view.reshape(out[target].shape)
+        return Injected(fault, out, (target,), tile, TILE_AXES[target])
+    dt_out, dA = ref["dt_out"], ref["dA_cumsum"]
+    if fault == "decay-off-by-one":
+        ci = int(rng.integers(c))
+        late = dA.copy()
+        late[:, :, ci, 1:] = dA[:, :, ci, :-1]
+        late[:, :, ci, 0] = 0.0
+        wrong = _stages_from(spec, host, dt_out, late)
+        wrong["dA_cumsum"] = dA                          # chunk_cumsum itself was right
+        tile, axes = (ci,), ("c",)
+    elif fault == "carry-dropped":
+        # prev_states[k] = carry + states[k - 1]: take the carry out of chunk k - 1's state
+        # (k = c: out of final_states), and let the scan run on from there. The (batch, head)
+        # that loses the largest share of its entering state: a head whose state decays to
+        # nothing within a chunk carries nothing to lose.
+        k = min(c, c // 2 + 1)
+        entering = ref["prev_states"][:, k] if k < c else ref["final_states"]  # (b, h, p, n)
+        carried = entering - ref["states"][:, k - 1]
+        share = np.linalg.norm(carried, axis=(2, 3)) / np.maximum(
+            np.linalg.norm(entering, axis=(2, 3)), 1e-300)
+        bi, hi = (int(i) for i in np.unravel_index(np.argmax(share), share.shape))
+        if not share[bi, hi] > 0:
+            return None
+        states = ref["states"].copy()
+        states[bi, k - 1, hi] -= carried[bi, hi]
+        wrong = _stages_from(spec, host, dt_out, dA, states=states)
+        wrong["states"] = ref["states"]                  # chunk_state itself was right
+        tile, axes = (bi, k, hi), ("b", "c", "h")
+    elif fault == "padding-leak":
+        bi, hi = int(rng.integers(b)), int(rng.integers(h))
+        valid = l - (c - 1) * q
+        if valid == q:
+            return None
+        leak = dt_out.copy()
+        leak[bi, hi, c - 1, valid:] = dt_out[(bi + 1) % b, hi, 0, : q - valid]
+        if not leak[bi, hi, c - 1, valid:].any():
+            return None
+        dA_leak = np.cumsum(leak * host["A"][None, :, None, None], axis=-1)
+        wrong = _stages_from(spec, host, leak, dA_leak)
+        tile, axes = (bi, hi, c - 1), ("b", "h", "c")
+    changed = []
+    for key in out:
+        delta = wrong[key] - ref[key]
+        if np.abs(delta).max() > 0:
+            out[key] = out[key] + delta
+            changed.append(key)
+    if not changed:
+        return None
+    return Injected(fault, out, tuple(changed), tile, axes)
+
+
+def check_faults(spec: ProblemSpec, host: dict, ref: dict, got: dict, dtype: str,
+                 faults=tuple(FAULTS), state_dtype: str | None = None, seed: int = 0) -> list:
+    """Put each of ``faults`` into correct outputs ``got`` (a tile fault into each output in
+    turn) and run both criteria (:func:`check_outputs`) on the result.
+
+    Returns one dict per fault and target: fault, target (the output a tile fault hit, or
+    "stages"), applicable (False where the problem cannot show the fault; nothing else then),
+    changed (the outputs it changed), tile (where it was put), caught_norm, caught_elem,
+    caught_by (the outputs whose elementwise check failed), elem_ratio and elem_tile (the worst
+    element's ratio to its bound, and its tile, over the outputs), and for a tile fault named
+    (whether the target's worst tile is the one the fault hit)."""
+    rows = []
+    clean = check_outputs(spec, got, ref, dtype, state_dtype, z=host.get("z"))
+    for fault in faults:
+        targets = [k for k in STAGE_KEYS if k in got] if fault in TILE_FAULTS else ["stages"]
+        for target in targets:
+            injected = inject_fault(fault, spec, host, ref, got, seed=seed,
+                                    target=target if fault in TILE_FAULTS else "y")
+            row = dict(fault=fault, target=target, applicable=injected is not None)
+            if injected is None:
+                rows.append(row)
+                continue
+            changed = {k: injected.outputs[k] for k in injected.changed}
+            checks = {**clean, **check_outputs(spec, changed, ref, dtype, state_dtype,
+                                               z=host.get("z"))}
+            worst = max(checks.values(), key=lambda ch: ch.elem.ratio)
+            row.update(changed=list(injected.changed), tile=list(injected.tile),
+                       caught_norm=any(not ch.ok_norm for ch in checks.values()),
+                       caught_elem=any(not ch.elem.ok for ch in checks.values()),
+                       caught_by=[k for k, ch in checks.items() if not ch.elem.ok],
+                       elem_ratio=worst.elem.ratio, elem_tile=list(worst.elem.tile))
+            if fault in TILE_FAULTS:
+                row["named"] = checks[target].elem.tile == injected.tile
+            rows.append(row)
+    return rows

@@ -8,7 +8,9 @@ ran any, the rows, the pass/fail counts, the worst error per dtype and the envir
 ``results/<gpu>/gpu_tests.json`` (the run summary the Kernels issue asks for, read back by
 notebook 08), with the ids of any failed tests. Rows tagged ``record="mixer"`` (the whole-layer
 checks of tests/test_mamba2.py, which have no per-stage tolerance for notebook 08 to check them
-against) go to ``results/<gpu>/gpu_mixer_tests.json`` instead.
+against) go to ``results/<gpu>/gpu_mixer_tests.json`` instead. A run with injected faults
+(``SSD_INJECT_FAULT``, see ssd.validate) writes its summary to ``results/<gpu>/gpu_faults.json``
+and leaves the other two files as they are.
 """
 import importlib.util
 import os
@@ -108,27 +110,41 @@ def pytest_sessionfinish(session, exitstatus):
     if not _COLLECTED or hasattr(session.config, "workerinput"):  # xdist workers: controller writes
         return
     from ssd.tools.env import environment, gpu_slug, pack_rows, unpack_rows, write_json
+    from ssd.validate import requested_faults
 
     env = environment()
     # packed (4 significant digits), and the summary computed from what is written
     rows = unpack_rows(pack_rows([r for r in _COLLECTED if r.get("record") != "mixer"]))
     mixer = [r for r in _COLLECTED if r.get("record") == "mixer"]
-    worst = {}
+    worst, worst_elem, caught = {}, {}, {}
     for row in rows:
         if row.get("rel_err") is not None and row.get("kind", "reference") == "reference":
             key = row["dtype"]
             worst[key] = max(worst.get(key, 0.0), row["rel_err"])
+            if row.get("elem_ratio") is not None:
+                worst_elem[key] = max(worst_elem.get(key, 0.0), row["elem_ratio"])
+        if row.get("kind") == "fault" and row.get("applicable"):
+            # per fault: how many times it was put in, and caught by each criterion
+            n = caught.setdefault(row["fault"], {"injected": 0, "caught_elem": 0, "caught_norm": 0})
+            n["injected"] += 1
+            n["caught_elem"] += bool(row["caught_elem"])
+            n["caught_norm"] += bool(row["caught_norm"])
     summary = {
         "outcomes": dict(_OUTCOMES),
         "failed_tests": sorted(_FAILED),
         "checks": len(rows),
         "worst_rel_err_by_dtype": worst,
+        **({"worst_elem_ratio_by_dtype": worst_elem} if worst_elem else {}),
+        **({"faults_caught": caught} if caught else {}),
         "environment": env,
         "rows": pack_rows(rows),
     }
     folder = ROOT / "results" / gpu_slug(env)
-    path = write_json(folder / "gpu_tests.json", summary)
+    faults = requested_faults()
+    if faults:
+        summary = {"faults": list(faults), **summary}
+    path = write_json(folder / ("gpu_faults.json" if faults else "gpu_tests.json"), summary)
     print(f"\n[gpu] {len(rows)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
-    if mixer:
+    if mixer and not faults:
         path = write_json(folder / "gpu_mixer_tests.json", dict(environment=env, rows=pack_rows(mixer)))
         print(f"[gpu] {len(mixer)} mixer checks written to {path}")

@@ -68,15 +68,85 @@ def test_no_grad_allows_inputs_that_require_grad():
         validate(**good(x=x))
 
 
-@pytest.mark.parametrize("over,name", [(dict(A=torch.rand(H)), "A"),
-                                       (dict(dt=torch.full((B_, L, H), math.nan)), "dt"),
-                                       (dict(seq_idx=torch.tensor([[0] * 20 + [1] * 20] * B_)
-                                             .flip(1).to(torch.int32)), "seq_idx")])
-def test_value_checks_on_request(over, name):
-    with pytest.raises(ValueError, match=rf"^{name}"):
+def _one(t, value, index=(0,)):
+    """A copy of ``t`` with one element set to ``value``."""
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def _seq(rows):
+    return torch.tensor([rows] * B_, dtype=torch.int32)
+
+
+# Every rule of check_values, on every argument it covers; each case breaks that rule alone
+# (a NaN A is not > 0, a negative seq_idx here never decreases, a decreasing one is >= 0), so
+# that each case fails if its rule is removed.
+VALUE_CASES = {
+    "A-positive": ("A", dict(A=_one(-torch.rand(H), 0.5, 2)), "must be finite and <= 0"),
+    "A-nan": ("A", dict(A=_one(-torch.rand(H), math.nan, 1)), "must be finite and <= 0"),
+    "x-nan": ("x", dict(x=_one(good()["x"], math.nan, (1, 7, 2, 3))), "contains NaN or inf"),
+    "dt-nan": ("dt", dict(dt=_one(good()["dt"], math.nan, (0, 5, 1))), "contains NaN or inf"),
+    "dt-inf": ("dt", dict(dt=_one(good()["dt"], math.inf, (1, 39, 3))), "contains NaN or inf"),
+    "B-nan": ("B", dict(B=_one(good()["B"], math.nan, (1, 3, 1, 4))), "contains NaN or inf"),
+    "C-nan": ("C", dict(C=_one(good()["C"], math.nan, (0, 20, 0, 15))), "contains NaN or inf"),
+    "C-inf": ("C", dict(C=_one(good()["C"], -math.inf, (1, 0, 1, 0))), "contains NaN or inf"),
+    "z-nan": ("z", dict(z=_one(torch.randn(B_, L, H, P, dtype=torch.bfloat16), math.nan,
+                               (0, 11, 2, 5))), "contains NaN or inf"),
+    "seq_idx-negative": ("seq_idx", dict(seq_idx=_seq([-1] * 10 + [0] * 30)),
+                         "must be >= 0 and non-decreasing"),
+    "seq_idx-decreasing": ("seq_idx", dict(seq_idx=_seq([0] * 10 + [2] * 10 + [1] * 20)),
+                           "must be >= 0 and non-decreasing"),
+}
+
+
+@pytest.mark.parametrize("case", list(VALUE_CASES))
+def test_value_checks_on_request(case):
+    name, over, message = VALUE_CASES[case]
+    with pytest.raises(ValueError, match=rf"^{name}: {message}"):
         validate(**good(**over), check_values=True)
     with pytest.raises(ValueError, match="^x: must be a CUDA tensor"):  # off by default
         validate(**good(**over))
+
+
+def test_value_checks_pass_valid_inputs_with_every_feature():
+    """check_values on a valid call with z, seq_idx (several sequences, the first at 0), D,
+    dt_bias and initial states: it reaches the device check."""
+    with pytest.raises(ValueError, match="^x: must be a CUDA tensor"):
+        validate(**good(z=torch.randn(B_, L, H, P, dtype=torch.bfloat16),
+                        seq_idx=_seq([0] * 10 + [1] * 10 + [3] * 20), D=torch.randn(H),
+                        dt_bias=torch.randn(H), initial_states=torch.randn(B_, H, P, N)),
+                 check_values=True)
+
+
+# Each optional and required tensor on another device than x ("meta": no memory, no GPU needed).
+DEVICE_CASES = {
+    "dt": dict(dt=torch.rand(B_, L, H, dtype=torch.bfloat16, device="meta")),
+    "A": dict(A=torch.empty(H, device="meta")),
+    "B": dict(B=torch.empty(B_, L, G, N, dtype=torch.bfloat16, device="meta")),
+    "C": dict(C=torch.empty(B_, L, G, N, dtype=torch.bfloat16, device="meta")),
+    "D": dict(D=torch.empty(H, device="meta")),
+    "z": dict(z=torch.empty(B_, L, H, P, dtype=torch.bfloat16, device="meta")),
+    "dt_bias": dict(dt_bias=torch.empty(H, device="meta")),
+    "initial_states": dict(initial_states=torch.empty(B_, H, P, N, device="meta")),
+    "seq_idx": dict(seq_idx=torch.zeros(B_, L, dtype=torch.int32, device="meta")),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICE_CASES))
+def test_inputs_on_another_device_than_x_are_named(name):
+    with pytest.raises(ValueError, match=rf"^{name}: on meta, but x is on cpu; all inputs must "
+                                         "share one CUDA device"):
+        validate(**good(**DEVICE_CASES[name]))
+
+
+def test_x_on_another_device_than_the_rest():
+    x = torch.empty(B_, L, H, P, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="^dt: on cpu, but x is on meta"):
+        validate(**good(x=x))
+    everything = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in good().items()}
+    with pytest.raises(ValueError, match="^x: must be a CUDA tensor \\(got device meta\\)"):
+        validate(**everything)
 
 
 def test_chunk_seq_last_reads_each_chunks_last_valid_position():

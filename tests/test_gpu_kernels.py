@@ -5,10 +5,19 @@ device inputs (so the error measured is the kernel's, not the cast's), on fresh 
 (a new seed per run, printed on failure), with every output buffer filled with NaN before the
 launch so that an element a kernel forgets to write fails the check.
 
-Error metric: relative Frobenius error ‖out − ref‖ / ‖ref‖ per stage output.
+Two criteria per stage output, both must hold: the relative Frobenius error ‖out − ref‖ / ‖ref‖
+and, per element, |out − ref| ≤ atol + rtol·|ref|; a failure names the worst element and its
+(batch, chunk, head) tile. Each row of the record carries both (rel_err, tol; elem_ratio, the
+worst element's error over its bound, elem_index, elem_tile, bad_tiles, rtol, atol_rel).
 
-The inputs, the reference, the NaN-poisoned buffers, the error metric and the tolerances per
-dtype (with why) live in ``ssd.validate``, shared with the GPU chapters.
+Injected faults: ``test_injected_faults_are_caught`` puts each mistake of ``ssd.validate.FAULTS``
+into correct kernel outputs and requires the elementwise criterion to catch it (rows with
+kind="fault"). ``SSD_INJECT_FAULT=all`` (or a list of names) does the same on every problem
+every test checks; the summary then goes to results/<gpu>/gpu_faults.json (tests/conftest.py),
+leaving gpu_tests.json as it is.
+
+The inputs, the reference, the NaN-poisoned buffers, both criteria, the tolerances per dtype
+(with their derivation) and the faults live in ``ssd.validate``, shared with the GPU chapters.
 """
 import dataclasses
 import math
@@ -24,8 +33,9 @@ from ssd.config import (CHUNK64_SCAN, MEASURED_ARCHS, NARROW_STATE, ONE_WAVE_STA
                         SMALL_STATE_SCAN, FusedScanConfig, ScanConfig, SSDConfig, StateConfig)
 from ssd.api import takes_fused_scan  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
-from ssd.validate import (DTYPES, TOL, TOL_CUMSUM, device_inputs, reference_of,  # noqa: E402
-                          rel_err, run_stages)
+from ssd.validate import (DTYPES, TOL, TILE_FAULTS, check_faults, check_outputs,  # noqa: E402
+                          device_inputs, host_inputs, reference_of, rel_err, requested_faults,
+                          run_stages)
 
 pytestmark = pytest.mark.gpu
 
@@ -68,28 +78,56 @@ NAMED = dict(SPLIT=SPLIT, FUSED=FUSED, NARROW=NARROW, S32=S32, H1=H1, WHOLE=WHOL
 CONFIGS = tuple(NAMED[k] for k in os.environ.get("SSD_TEST_CONFIGS", ",".join(NAMED)).split(","))
 # A fresh seed per run (override with SSD_TEST_SEED to replay a failure).
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+# SSD_INJECT_FAULT=all (or fault names): every checked problem also checks the injected faults.
+FAULT_MODE = requested_faults()
 
 
 def seed_for(name: str) -> int:
     return (RUN_SEED + zlib.crc32(name.encode())) % 2**31
 
 
-def check_stages(spec, dtype, config, record, label, seed):
+def check_stages(spec, dtype, config, record, label, seed, faults=FAULT_MODE, require_named=False):
+    """One forward into poisoned buffers, every stage output checked by both criteria and
+    recorded; with ``faults``, each fault is also put into the outputs and must be caught
+    (see :func:`check_injected`)."""
     inputs = device_inputs(spec, seed, dtype)
-    ref = reference_of(spec, inputs)
+    host = host_inputs(inputs)
+    ref = spec.reference(host)
     got = run_stages(spec, inputs, dtype, config)
+    one_kernel = takes_fused_scan(config, inputs.get("seq_idx"))
+    state_dtype = None if one_kernel else config.state.storage_dtype(dtype)
     failures = []
-    for key in got:
-        tol = TOL_CUMSUM if key in ("dt_out", "dA_cumsum") else TOL[dtype]
-        err = rel_err(got[key], ref[key])
+    for key, check in check_outputs(spec, got, ref, dtype, state_dtype, z=host.get("z")).items():
         record.append(dict(test=label, shape=spec.name or str(spec), dims=list(spec.dims),
                            chunk_size=spec.chunk_size, dtype=dtype, stage=key,
-                           fused=config.state.fused,
-                           one_kernel=takes_fused_scan(config, inputs.get("seq_idx")),
-                           rel_err=err, tol=tol, seed=seed))
-        if not err <= tol:
-            failures.append(f"{key}: rel err {err:.3e} > {tol:.0e}")
+                           fused=config.state.fused, one_kernel=one_kernel,
+                           **check.fields(), seed=seed))
+        if not check.ok:
+            failures.append(check.failure())
+    if faults:
+        failures += check_injected(spec, host, ref, got, dtype, state_dtype, record, label, seed,
+                                   faults, require_named)
     assert not failures, f"{spec} [{dtype}, seed {seed}]: " + "; ".join(failures)
+
+
+def check_injected(spec, host, ref, got, dtype, state_dtype, record, label, seed, faults,
+                   require_named=False):
+    """Each fault put into the outputs: recorded (kind="fault"); returns what was not caught
+    by the elementwise criterion (or, with ``require_named``, whose tile it did not name)."""
+    missed = []
+    for row in check_faults(spec, host, ref, got, dtype, faults, state_dtype, seed=seed):
+        record.append(dict(test=label, kind="fault", shape=spec.name or str(spec),
+                           dims=list(spec.dims), chunk_size=spec.chunk_size, dtype=dtype,
+                           **row, seed=seed))
+        if not row["applicable"]:
+            continue
+        if not row["caught_elem"]:
+            missed.append(f"fault {row['fault']} ({row['target']}) not caught: worst element "
+                          f"{row['elem_ratio']:.3g}x its bound")
+        elif require_named and row["fault"] in TILE_FAULTS and not row["named"]:
+            missed.append(f"fault {row['fault']} ({row['target']}): the check named tile "
+                          f"{row['elem_tile']}, the fault was in {row['tile']}")
+    return missed
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -120,6 +158,35 @@ def test_model_like_chunk_sizes(chunk_size, gpu_record):
     for config in [c for c in CONFIGS if c is not SPLIT]:
         check_stages(spec, "bfloat16", config, gpu_record, f"model-like/q{chunk_size}",
                      seed_for(spec.name))
+
+
+# Where the injected faults are checked in every run: a partial last chunk in fp32 and bf16, a
+# model-like problem with the features the layer uses, and one of 2,000 (chunk, head) tiles in
+# fp16 (a zeroed tile moves y's norm by about 1/sqrt(2000)).
+FAULT_CASES = {
+    "l-not-multiple-fp32": (EDGE_SHAPES["l-not-multiple"], "float32"),
+    "l-not-multiple-bf16": (EDGE_SHAPES["l-not-multiple"], "bfloat16"),
+    "model-like-bf16": (ProblemSpec(2, 1000, 8, 64, 128, 1, chunk_size=64, D="h", dt_bias=True,
+                                    dt_softplus=True, initial_states=True, z=True,
+                                    name="faults-model-like"), "bfloat16"),
+    "many-tiles-fp16": (ProblemSpec(1, 2000, 64, 64, 64, 1, chunk_size=64, D="h", dt_bias=True,
+                                    dt_softplus=True, initial_states=True,
+                                    name="faults-many-tiles"), "float16"),
+}
+
+
+@pytest.mark.parametrize("case", list(FAULT_CASES))
+def test_injected_faults_are_caught(case, gpu_record):
+    """Every fault of ssd.validate.FAULTS put into this run's outputs (correct first: both
+    criteria hold), with the default stage 2 and the split one (which also writes states):
+    the elementwise criterion must catch each, and name the tile of a tile fault. The rows
+    (kind="fault") say which outputs' checks caught it and whether the norm did too."""
+    from ssd.validate import FAULTS
+
+    spec, dtype = FAULT_CASES[case]
+    for name in ("FUSED", "SPLIT"):
+        check_stages(spec, dtype, NAMED[name], gpu_record, f"faults/{case}/{name}",
+                     seed_for(case + name), faults=tuple(FAULTS), require_named=True)
 
 
 def test_one_wave_stage2_where_the_default_takes_it(gpu_record):
@@ -269,11 +336,11 @@ def test_public_api_all_features(gpu_record):
     y, final = _api_call(spec, inputs, return_final_states=True)
     assert y.dtype == torch.bfloat16 and final.dtype == torch.float32
     assert y.shape == ref["y"].shape and final.shape == ref["final_states"].shape
-    for key, out in (("y", y), ("final_states", final)):
-        err = rel_err(out, ref[key])
+    checks = check_outputs(spec, {"y": y, "final_states": final}, ref, "bfloat16", z=inputs["z"])
+    for key, check in checks.items():
         gpu_record.append(dict(test="api/all-features", shape=spec.name, dtype="bfloat16",
-                               stage=key, rel_err=err, tol=TOL["bfloat16"]))
-        assert err <= TOL["bfloat16"], f"{key}: {err:.3e}"
+                               stage=key, **check.fields()))
+    assert all(c.ok for c in checks.values()), "; ".join(c.failure() for c in checks.values())
     assert isinstance(_api_call(spec, inputs), torch.Tensor)
 
 
@@ -312,11 +379,11 @@ def test_quick_first_call_computes_what_the_tuned_build_computes(monkeypatch, gp
     assert set(quick) == set(again) and set(quick) <= set(STAGE_KEYS)
     for key in quick:
         assert torch.equal(quick[key], again[key]), f"{key}: the quick and tuned builds differ"
-    err = rel_err(quick["y"], ref["y"])
+    check = check_outputs(spec, {"y": quick["y"]}, ref, "bfloat16")["y"]
     gpu_record.append(dict(test="quick-first-call", shape=spec.name, dims=list(spec.dims),
                            chunk_size=spec.chunk_size, dtype="bfloat16", stage="y",
-                           rel_err=err, tol=TOL["bfloat16"]))
-    assert err <= TOL["bfloat16"], f"y: rel err {err:.3e}"
+                           **check.fields()))
+    assert check.ok, check.failure()
 
 
 def test_api_rejects_bad_input_on_gpu():
@@ -360,13 +427,16 @@ def test_matches_mamba_ssm_where_it_is_correct(gpu_record, name):
         gpu_record.append(dict(test="peer/mamba_ssm", shape=name, dtype="bfloat16",
                                kind="peer", error=f"{type(exc).__name__}: {exc}"[:300]))
         return
+    checks = check_outputs(spec, {"y": ours[0], "final_states": ours[1]}, ref, "bfloat16",
+                           z=inputs.get("z"))
     for i, key in enumerate(("y", "final_states")):
         peer_err = rel_err(peer[i], ref[key])
-        our_err = rel_err(ours[i], ref[key])
         diff = rel_err(ours[i], peer[i].double().cpu().numpy())
         gpu_record.append(dict(test="peer/mamba_ssm", shape=name, dtype="bfloat16", stage=key,
-                               kind="peer", rel_err=our_err, mamba_ssm_rel_err=peer_err,
-                               ours_vs_mamba_ssm=diff, tol=TOL["bfloat16"]))
+                               kind="peer", rel_err=checks[key].rel_err,
+                               mamba_ssm_rel_err=peer_err, ours_vs_mamba_ssm=diff,
+                               tol=TOL["bfloat16"], elem_ratio=checks[key].elem.ratio))
+        assert checks[key].ok, checks[key].failure()
         if peer_err <= TOL["bfloat16"]:
             assert diff <= 2 * TOL["bfloat16"], f"{name}/{key}: ours vs mamba_ssm {diff:.3e}"
 
@@ -399,9 +469,9 @@ def test_more_than_2_31_elements(gpu_record, q, config):
     sl = {"x": x[-1:, :, heads], "dt": dt[-1:, :, heads], "A": A[heads], "B": B[-1:],
           "C": C[-1:], "D": D[heads]}
     ref = reference_of(spec, sl)
-    for key, out in (("y", y[-1:, :, heads]), ("final_states", final[-1:, heads])):
-        err = rel_err(out, ref[key])
+    checks = check_outputs(spec, {"y": y[-1:, :, heads], "final_states": final[-1:, heads]}, ref,
+                           "bfloat16")
+    for key, check in checks.items():
         gpu_record.append(dict(test=f"large/2.7G/{q}", shape="b8-l65536-h80-p64-n128", dtype="bfloat16",
-                               stage=key, rel_err=err, tol=TOL["bfloat16"],
-                               x_numel=x.numel()))
-        assert err <= TOL["bfloat16"], f"{key}: {err:.3e}"
+                               stage=key, **check.fields(), x_numel=x.numel()))
+    assert all(c.ok for c in checks.values()), "; ".join(c.failure() for c in checks.values())
