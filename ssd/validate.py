@@ -515,13 +515,27 @@ def requested_faults(env: str | None = None) -> tuple:
 @dataclass(frozen=True)
 class Injected:
     """Outputs with one fault in them (float64 arrays keyed as the outputs given), the outputs
-    that changed, and the tile the fault sits in (axes ``tile_axes``)."""
+    that changed, the tile the fault sits in (axes ``tile_axes``), and ``wrong``: what the
+    changed outputs would be with the fault and no rounding at all (the float64 reference with
+    the same mistake)."""
 
     fault: str
     outputs: dict
     changed: tuple
     tile: tuple
     tile_axes: tuple
+    wrong: dict
+
+
+def _with_tile(key: str, a: np.ndarray, tile: tuple, value: float, q: int) -> np.ndarray:
+    """A copy of output ``a`` with tile ``tile`` (see :data:`TILE_AXES`) set to ``value``."""
+    view = _tiled(key, a.copy(), q, fill=0.0)
+    view[tile] = value
+    if key == "y":
+        b, l, h, p = a.shape
+        c = view.shape[1]
+        return view.reshape(b, c, h, q, p).transpose(0, 1, 3, 2, 4).reshape(b, c * q, h, p)[:, :l]
+    return view.reshape(a.shape)
 
 
 def _stages_from(spec: ProblemSpec, host: dict, dt_out, dA_cumsum, states=None) -> dict:
@@ -550,35 +564,33 @@ def inject_fault(fault: str, spec: ProblemSpec, host: dict, ref: dict, got: dict
     Args:
         host: the inputs as float64 arrays (:func:`host_inputs`); ref: their reference.
         got: the outputs (torch tensors or arrays), keyed as :data:`STAGE_KEYS`.
-        seed: picks the tile, (batch, head) or chunk the fault hits.
+        seed: picks the tile a tile fault hits (among those whose RMS is at least
+            :data:`SCALE_FLOOR` of the output's) and the (batch, head) of padding-leak.
+            decay-off-by-one hits the chunk that decays most, carry-dropped the border and
+            (batch, head) whose carry is the largest share of the state.
         target: the output a tile fault hits.
     """
     if fault not in FAULTS:
         raise ValueError(f"fault: unknown {fault!r}; one of {', '.join(FAULTS)}")
     rng = np.random.default_rng(seed)
-    out = {k: as_float64(v).copy() for k, v in got.items()}
+    out = {k: as_float64(v) for k, v in got.items()}
     b, l, h, p, n, g = spec.dims
     q, c = spec.chunk_size, spec.nchunks
     if fault in TILE_FAULTS:
         if target not in out:
             return None
         rms = np.sqrt(np.nanmean(np.square(_tiled(target, ref[target], q)), axis=-1))
-        live = np.argwhere(rms > 0)
+        live = np.argwhere(rms > SCALE_FLOOR * np.sqrt(np.mean(np.square(ref[target]))))
         if not len(live):
             return None
         tile = tuple(int(i) for i in live[rng.integers(len(live))])
         value = np.nan if fault == "tile-unwritten" else 0.0
-        view = _tiled(target, out[target], q, fill=0.0)   # a copy for y: write back below
-        view[tile] = value
-        if target == "y":
-            out["y"] = view.reshape(b, c, h, q, p).transpose(0, 1, 3, 2, 4).reshape(
-                b, c * q, h, p)[:, :l].copy()
-        else:
-            out[target] = view.reshape(out[target].shape)
-        return Injected(fault, out, (target,), tile, TILE_AXES[target])
+        out[target] = _with_tile(target, out[target], tile, value, q)
+        return Injected(fault, out, (target,), tile, TILE_AXES[target],
+                        {target: _with_tile(target, ref[target], tile, value, q)})
     dt_out, dA = ref["dt_out"], ref["dA_cumsum"]
     if fault == "decay-off-by-one":
-        ci = int(rng.integers(c))
+        ci = int(np.argmax(np.abs(dA[..., -1]).sum(axis=(0, 1))))  # the chunk that decays most
         late = dA.copy()
         late[:, :, ci, 1:] = dA[:, :, ci, :-1]
         late[:, :, ci, 0] = 0.0
@@ -586,23 +598,24 @@ def inject_fault(fault: str, spec: ProblemSpec, host: dict, ref: dict, got: dict
         wrong["dA_cumsum"] = dA                          # chunk_cumsum itself was right
         tile, axes = (ci,), ("c",)
     elif fault == "carry-dropped":
-        # prev_states[k] = carry + states[k - 1]: take the carry out of chunk k - 1's state
-        # (k = c: out of final_states), and let the scan run on from there. The (batch, head)
-        # that loses the largest share of its entering state: a head whose state decays to
-        # nothing within a chunk carries nothing to lose.
-        k = min(c, c // 2 + 1)
-        entering = ref["prev_states"][:, k] if k < c else ref["final_states"]  # (b, h, p, n)
-        carried = entering - ref["states"][:, k - 1]
-        share = np.linalg.norm(carried, axis=(2, 3)) / np.maximum(
-            np.linalg.norm(entering, axis=(2, 3)), 1e-300)
-        bi, hi = (int(i) for i in np.unravel_index(np.argmax(share), share.shape))
-        if not share[bi, hi] > 0:
+        # prev_states[k] = carry + states[k - 1] (k = c: final_states): take the carry out of
+        # chunk k - 1's state and let the scan run on from there. At the border and (batch,
+        # head) that lose the largest share of their entering state: a head whose state decays
+        # to nothing within a chunk carries nothing to lose.
+        entering = np.concatenate([ref["prev_states"][:, 1:], ref["final_states"][:, None]],
+                                  axis=1)                # (b, c, h, p, n): entering chunk k = 1..c
+        carried = entering - ref["states"]
+        size = np.linalg.norm(entering, axis=(3, 4))      # (b, c, h), floored as tile_scale
+        size = np.maximum(size, SCALE_FLOOR * np.sqrt(np.mean(np.square(size))))
+        share = np.linalg.norm(carried, axis=(3, 4)) / np.maximum(size, 1e-300)
+        bi, k1, hi = (int(i) for i in np.unravel_index(np.argmax(share), share.shape))
+        if not share[bi, k1, hi] > 0:
             return None
         states = ref["states"].copy()
-        states[bi, k - 1, hi] -= carried[bi, hi]
+        states[bi, k1, hi] -= carried[bi, k1, hi]
         wrong = _stages_from(spec, host, dt_out, dA, states=states)
         wrong["states"] = ref["states"]                  # chunk_state itself was right
-        tile, axes = (bi, k, hi), ("b", "c", "h")
+        tile, axes = (bi, k1 + 1, hi), ("b", "c", "h")
     elif fault == "padding-leak":
         bi, hi = int(rng.integers(b)), int(rng.integers(h))
         valid = l - (c - 1) * q
@@ -615,15 +628,12 @@ def inject_fault(fault: str, spec: ProblemSpec, host: dict, ref: dict, got: dict
         dA_leak = np.cumsum(leak * host["A"][None, :, None, None], axis=-1)
         wrong = _stages_from(spec, host, leak, dA_leak)
         tile, axes = (bi, hi, c - 1), ("b", "h", "c")
-    changed = []
-    for key in out:
-        delta = wrong[key] - ref[key]
-        if np.abs(delta).max() > 0:
-            out[key] = out[key] + delta
-            changed.append(key)
+    changed = [key for key in out if np.abs(wrong[key] - ref[key]).max() > 0]
     if not changed:
         return None
-    return Injected(fault, out, tuple(changed), tile, axes)
+    for key in changed:
+        out[key] = out[key] + (wrong[key] - ref[key])
+    return Injected(fault, out, tuple(changed), tile, axes, {k: wrong[k] for k in changed})
 
 
 def check_faults(spec: ProblemSpec, host: dict, ref: dict, got: dict, dtype: str,
@@ -633,7 +643,9 @@ def check_faults(spec: ProblemSpec, host: dict, ref: dict, got: dict, dtype: str
 
     Returns one dict per fault and target: fault, target (the output a tile fault hit, or
     "stages"), applicable (False where the problem cannot show the fault; nothing else then),
-    changed (the outputs it changed), tile (where it was put), caught_norm, caught_elem,
+    changed (the outputs it changed), tile (where it was put), visible (whether the fault breaks
+    the elementwise bound even with no rounding: the float64 reference with the fault; a
+    carry that decays to 1e-9 within a chunk, dropped, is not), caught_norm, caught_elem,
     caught_by (the outputs whose elementwise check failed), elem_ratio and elem_tile (the worst
     element's ratio to its bound, and its tile, over the outputs), and for a tile fault named
     (whether the target's worst tile is the one the fault hit)."""
@@ -651,8 +663,10 @@ def check_faults(spec: ProblemSpec, host: dict, ref: dict, got: dict, dtype: str
             changed = {k: injected.outputs[k] for k in injected.changed}
             checks = {**clean, **check_outputs(spec, changed, ref, dtype, state_dtype,
                                                z=host.get("z"))}
+            exact = check_outputs(spec, injected.wrong, ref, dtype, state_dtype, z=host.get("z"))
             worst = max(checks.values(), key=lambda ch: ch.elem.ratio)
             row.update(changed=list(injected.changed), tile=list(injected.tile),
+                       visible=any(not ch.elem.ok for ch in exact.values()),
                        caught_norm=any(not ch.ok_norm for ch in checks.values()),
                        caught_elem=any(not ch.elem.ok for ch in checks.values()),
                        caught_by=[k for k, ch in checks.items() if not ch.elem.ok],
