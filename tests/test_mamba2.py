@@ -7,6 +7,8 @@ CPU tests run in float64, where every implementation should agree to round-off (
 (the mutation tests below show 1e-3 .. 1).
 """
 import math
+import os
+import zlib
 from dataclasses import replace
 
 import numpy as np
@@ -395,19 +397,70 @@ GPU_CASES = {
     "g4-l1000": (Mamba2Config(d_model=512, d_state=128, ngroups=4), 2, 1000),  # 16 heads
     "codestral-l512": (PRESETS["codestral-7b"], 1, 512),
 }
+# A fresh seed per run for the GPU cases' weights and inputs (SSD_TEST_SEED replays a run);
+# every GPU row records the seed it used, and every failure prints it.
+RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
 
 
-def backend_vs_torch(backend, config, b, l, device, tol, record, label):
-    """Two checks on one layer: (1) the mixer output, backend vs torch backend; (2) the SSD
-    call alone on the tensors the layer passed it, without the D skip. (2) is needed because
-    at Mamba-2's initialisation the skip D x dominates y (dt' ~ 1e-3..1e-1 keeps the state
-    term small): on the CPU a wrong B/C pairing moves the layer output by only ~1e-2, which
-    (1) alone would not see at bf16 tolerance."""
+def seed_for(name: str) -> int:
+    return (RUN_SEED + zlib.crc32(name.encode())) % 2**31
+
+
+def ssd_call_vs_float64(backend, call, chunk_size, dtype):
+    """The layer's SSD call alone (``call``, as capture_ssd_calls returns it; without the D
+    skip) against the float64 reference of the very same tensors, with ssd.validate's two
+    criteria (the norm and the elementwise bound). For ``cutile`` every stage output is checked,
+    written into NaN-poisoned buffers (ssd.validate.run_stages, the default configuration for
+    this GPU and problem); for another backend, its y. Returns {stage: StageCheck}."""
+    import ssd.validate as V
+    from ssd.problem import ProblemSpec
+
+    x, dt, A, B, C, _, dt_bias = call
+    b, l, h, p = x.shape
+    g, n = B.shape[2:]
+    spec = ProblemSpec(b, l, h, p, n, g, chunk_size=chunk_size, dt_bias=True, dt_softplus=True,
+                       name="layer")
+    inputs = dict(x=x, dt=dt, A=A, B=B, C=C, dt_bias=dt_bias)
+    ref = spec.reference(V.host_inputs(inputs))
+    state_dtype = None
+    if backend == "cutile":
+        from ssd.api import resolve_config, takes_fused_scan
+
+        config = resolve_config(None, chunk_size, x, B)
+        got = V.run_stages(spec, inputs, dtype, config)
+        if not takes_fused_scan(config, None):
+            state_dtype = config.state.storage_dtype(dtype)
+    else:
+        got = {"y": backend_function(backend)(x, dt, A, B, C, chunk_size, dt_bias=dt_bias,
+                                              dt_softplus=True)}
+    return V.check_outputs(spec, got, ref, dtype, state_dtype)
+
+
+def backend_vs_torch(backend, config, b, l, device, tol, record, label, seed=11):
+    """Checks on one layer whose weights and input are drawn from ``seed``:
+
+    1. the mixer output, backend vs the torch backend (the same layer code around another SSD:
+       a wrong wiring of the backend into the layer shows);
+    2. the SSD call alone on the tensors the layer passed it, without the D skip, against the
+       torch backend's SSD: needed because at Mamba-2's initialisation the skip D x dominates
+       y (dt' ~ 1e-3..1e-1 keeps the state term small), so that on the CPU a wrong B/C pairing
+       moves the layer output by only ~1e-2, which (1) alone would not see at bf16 tolerance;
+    3. the same SSD call against the float64 reference of those tensors, as the kernel tests
+       check a stage (:func:`ssd_call_vs_float64`): ours must meet both of ssd.validate's
+       criteria, a peer the norm within ``tol``;
+    4. the mixer output against the same layer in float64 (the same weights, upcast, the same
+       input): no further from it than twice the torch backend's layer plus ssd.validate.TOL.
+
+    Rows: (1) and (2) as test "mixer-<backend>-vs-torch", stages "mixer" and "ssd-no-D"; (3)
+    and (4) as "mixer-<backend>-vs-float64", stages "ssd-no-D" (y), "ssd-no-D/<stage>" (the
+    other stage outputs, ours only) and "mixer"; each with the seed."""
+    import ssd.validate as V
+
     try:
-        mixer = Mamba2Mixer(config, backend, device=device, seed=11)
+        mixer = Mamba2Mixer(config, backend, device=device, seed=seed)
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
-    u = inputs(config, b, l, device=device)
+    u = inputs(config, b, l, seed=seed, device=device)
     out, calls = capture_ssd_calls(mixer, u)
     ref = mixer.set_backend("torch")(u)
     assert out.dtype == config.torch_dtype and out.shape == (b, l, config.d_model)
@@ -416,31 +469,80 @@ def backend_vs_torch(backend, config, b, l, device, tol, record, label):
     kw = dict(dt_bias=dt_bias, dt_softplus=True)
     y = backend_function(backend)(x, dt, A, B, C, config.chunk_size, **kw)
     y_ref = ssd_torch(x, dt, A, B, C, config.chunk_size, **kw)
-    errors = {"mixer": rel_err(out, ref), "ssd-no-D": rel_err(y, y_ref)}
-    for stage, err in errors.items():
-        record.append(dict(record="mixer", test=f"mixer-{backend}-vs-torch", shape=label,
-                           dims=list(config.ssd_dims(b, l)), chunk_size=config.chunk_size,
-                           dtype=config.dtype, stage=stage, rel_err=err, tol=tol))
+    common = dict(record="mixer", shape=label, dims=list(config.ssd_dims(b, l)),
+                  chunk_size=config.chunk_size, dtype=config.dtype, seed=seed)
+    failures = []
+    for stage, err in {"mixer": rel_err(out, ref), "ssd-no-D": rel_err(y, y_ref)}.items():
+        record.append(dict(test=f"mixer-{backend}-vs-torch", stage=stage, rel_err=err, tol=tol,
+                           **common))
         print(f"{backend} {label} {config.dtype} {stage}: rel err vs torch backend {err:.2e} "
               f"(tol {tol:.0e})")
-    assert all(err <= tol for err in errors.values()), errors
+        if not err <= tol:
+            failures.append(f"{stage} vs torch backend: rel err {err:.3e} > {tol:.0e}")
+    ours = backend != "mamba_ssm"
+    for key, check in ssd_call_vs_float64(backend, calls[0], config.chunk_size,
+                                          config.dtype).items():
+        stage = "ssd-no-D" if key == "y" else f"ssd-no-D/{key}"
+        record.append(dict(test=f"mixer-{backend}-vs-float64", stage=stage, **check.fields(),
+                           **common))
+        print(f"{backend} {label} {config.dtype} {stage}: vs float64 rel err {check.rel_err:.2e}, "
+              f"worst element {check.elem.ratio:.2f} of its bound")
+        if ours and not check.ok:
+            failures.append(f"{stage} vs float64: {check.failure()}")
+        if not ours and not check.rel_err <= tol:
+            failures.append(f"{stage} vs float64: rel err {check.rel_err:.3e} > {tol:.0e}")
+    m64 = Mamba2Mixer(replace(config, dtype="float64"), "torch", device=device, seed=seed)
+    m64.load_state_dict({k: v.double() for k, v in mixer.state_dict().items()})
+    out64 = m64(u.double())
+    base = rel_err(ref, out64)                 # the torch backend's layer against float64
+    err, allowed = rel_err(out, out64), 2 * base + V.TOL[config.dtype]
+    record.append(dict(test=f"mixer-{backend}-vs-float64", stage="mixer", rel_err=err,
+                       tol=allowed, torch_rel_err=base, **common))
+    print(f"{backend} {label} {config.dtype} mixer: vs float64 {err:.2e} (the torch backend's "
+          f"{base:.2e}; allowed {allowed:.1e})")
+    if not err <= allowed:
+        failures.append(f"mixer vs float64: rel err {err:.3e} > {allowed:.1e}")
+    assert not failures, (f"{backend} {label} {config.dtype} [seed {seed}; SSD_TEST_SEED="
+                          f"{RUN_SEED} replays the run]: " + "; ".join(failures))
 
 
 def test_backend_vs_torch_check_on_cpu():
     """The GPU check's code path, on the CPU: the NumPy reference backend (float64, result
-    rounded to fp32) against the torch backend in fp32."""
+    rounded to fp32) against the torch backend in fp32 and against float64."""
     config, b, l = SMALL["g2-tail"]
     record = []
     backend_vs_torch("reference", replace(config, dtype="float32"), b, l, "cpu", 1e-5, record,
                      "g2-tail")
-    assert [r["stage"] for r in record] == ["mixer", "ssd-no-D"]
+    assert [(r["test"], r["stage"]) for r in record] == [
+        ("mixer-reference-vs-torch", "mixer"), ("mixer-reference-vs-torch", "ssd-no-D"),
+        ("mixer-reference-vs-float64", "ssd-no-D"), ("mixer-reference-vs-float64", "mixer")]
     assert all(0 < r["rel_err"] < 1e-5 for r in record)
+    assert record[2]["elem_ratio"] < 0.1 and record[3]["torch_rel_err"] > 0
+
+
+def test_backend_vs_torch_check_can_fail_on_cpu(monkeypatch):
+    """A wrong SSD (B and C swapped) behind the layer fails the check, and the message
+    carries the seed that replays it."""
+    import ssd.layer
+
+    def swapped(x, dt, A, B, C, chunk_size, **kw):
+        return ssd_torch(x, dt, A, C, B, chunk_size, **kw)
+
+    real = ssd.layer.backend_function
+    monkeypatch.setattr(ssd.layer, "backend_function",
+                        lambda name: swapped if name == "reference" else real(name))
+    monkeypatch.setitem(globals(), "backend_function", ssd.layer.backend_function)
+    config, b, l = SMALL["g2-tail"]
+    with pytest.raises(AssertionError, match=r"seed 5; SSD_TEST_SEED=\d+ replays.*ssd-no-D vs"):
+        backend_vs_torch("reference", replace(config, dtype="float32"), b, l, "cpu", 1e-5, [],
+                         "g2-tail", seed=5)
 
 
 def _gpu_backend_vs_torch(backend, case, dtype, record):
     config, b, l = GPU_CASES[case]
     tol = (PEER_TOL if backend == "mamba_ssm" else GPU_TOL)[dtype]
-    backend_vs_torch(backend, replace(config, dtype=dtype), b, l, "cuda", tol, record, case)
+    backend_vs_torch(backend, replace(config, dtype=dtype), b, l, "cuda", tol, record, case,
+                     seed=seed_for(f"{backend}/{case}/{dtype}"))
 
 
 @pytest.mark.gpu
@@ -461,12 +563,13 @@ def test_gpu_mamba_ssm_mixer_matches_torch_backend(case, dtype, gpu_record):
 def test_gpu_torch_backend_matches_float64_reference(gpu_record):
     """The yardstick itself: the torch backend on the GPU in fp32 vs the fp64 CPU layer."""
     config, b, l = GPU_CASES["g4-l1000"]
+    seed = seed_for("torch-fp32-vs-fp64")
     c64 = replace(config, dtype="float64")
     c32 = replace(config, dtype="float32")
-    m64 = Mamba2Mixer(c64, "torch", device="cuda", seed=11)
-    m32 = Mamba2Mixer(c32, "torch", device="cuda", seed=11)
-    u = inputs(c64, b, l, device="cuda")
-    err = check("torch backend fp32 vs fp64 (GPU)", m32(u.float()), m64(u), 1e-5)
+    m64 = Mamba2Mixer(c64, "torch", device="cuda", seed=seed)
+    m32 = Mamba2Mixer(c32, "torch", device="cuda", seed=seed)
+    u = inputs(c64, b, l, seed=seed, device="cuda")
+    err = check(f"torch backend fp32 vs fp64 (GPU, seed {seed})", m32(u.float()), m64(u), 1e-5)
     gpu_record.append(dict(record="mixer", test="mixer-torch-fp32-vs-fp64", shape="g4-l1000",
                            dims=list(config.ssd_dims(b, l)), chunk_size=config.chunk_size,
-                           dtype="float32", stage="mixer", rel_err=err, tol=1e-5))
+                           dtype="float32", stage="mixer", rel_err=err, tol=1e-5, seed=seed))
