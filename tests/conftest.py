@@ -10,7 +10,8 @@ notebook 08), with the ids of any failed tests. Rows tagged ``record="mixer"`` (
 checks of tests/test_mamba2.py, which have no per-stage tolerance for notebook 08 to check them
 against) go to ``results/<gpu>/gpu_mixer_tests.json`` instead. A run with injected faults
 (``SSD_INJECT_FAULT``, see ssd.validate) writes its summary to ``results/<gpu>/gpu_faults.json``
-and leaves the other two files as they are.
+(how often each fault was put in, visible and caught by each criterion, per test family, and
+the rows of any visible fault that was missed) and leaves the other two files as they are.
 """
 import importlib.util
 import os
@@ -106,6 +107,23 @@ def pytest_runtest_logreport(report):
             _COLLECTED.extend(rows)
 
 
+def faults_caught(rows: list[dict]) -> dict:
+    """Per injected fault (rows of kind "fault"): how often it was put in where the problem can
+    show it, how often it was visible at the dtype's precision, and how often each criterion
+    caught a visible one."""
+    out = {}
+    for row in rows:
+        if not row.get("applicable"):
+            continue
+        n = out.setdefault(row["fault"], dict(injected=0, visible=0, caught_elem=0, caught_norm=0))
+        n["injected"] += 1
+        if row.get("visible"):
+            n["visible"] += 1
+            n["caught_elem"] += bool(row["caught_elem"])
+            n["caught_norm"] += bool(row["caught_norm"])
+    return out
+
+
 def pytest_sessionfinish(session, exitstatus):
     if not _COLLECTED or hasattr(session.config, "workerinput"):  # xdist workers: controller writes
         return
@@ -116,33 +134,37 @@ def pytest_sessionfinish(session, exitstatus):
     # packed (4 significant digits), and the summary computed from what is written
     rows = unpack_rows(pack_rows([r for r in _COLLECTED if r.get("record") != "mixer"]))
     mixer = [r for r in _COLLECTED if r.get("record") == "mixer"]
-    worst, worst_elem, caught = {}, {}, {}
+    worst, worst_elem = {}, {}
     for row in rows:
         if row.get("rel_err") is not None and row.get("kind", "reference") == "reference":
             key = row["dtype"]
             worst[key] = max(worst.get(key, 0.0), row["rel_err"])
             if row.get("elem_ratio") is not None:
                 worst_elem[key] = max(worst_elem.get(key, 0.0), row["elem_ratio"])
-        if row.get("kind") == "fault" and row.get("applicable"):
-            # per fault: how many times it was put in, and caught by each criterion
-            n = caught.setdefault(row["fault"], {"injected": 0, "caught_elem": 0, "caught_norm": 0})
-            n["injected"] += 1
-            n["caught_elem"] += bool(row["caught_elem"])
-            n["caught_norm"] += bool(row["caught_norm"])
+    fault_rows = [r for r in rows if r.get("kind") == "fault"]
     summary = {
         "outcomes": dict(_OUTCOMES),
         "failed_tests": sorted(_FAILED),
         "checks": len(rows),
         "worst_rel_err_by_dtype": worst,
         **({"worst_elem_ratio_by_dtype": worst_elem} if worst_elem else {}),
-        **({"faults_caught": caught} if caught else {}),
+        **({"faults_caught": faults_caught(fault_rows)} if fault_rows else {}),
         "environment": env,
         "rows": pack_rows(rows),
     }
     folder = ROOT / "results" / gpu_slug(env)
     faults = requested_faults()
     if faults:
-        summary = {"faults": list(faults), **summary}
+        # Every problem of the suite with every fault: counts per fault and per test family
+        # (the rows would be thousands), and the rows of any visible fault that was missed.
+        missed = [r for r in fault_rows if r.get("visible") and not r.get("caught_elem")]
+        summary = {"faults": list(faults), "outcomes": dict(_OUTCOMES),
+                   "failed_tests": sorted(_FAILED), "faults_caught": faults_caught(fault_rows),
+                   "faults_caught_by_family": {
+                       family: faults_caught([r for r in fault_rows
+                                              if r["test"].split("/")[0] == family])
+                       for family in sorted({r["test"].split("/")[0] for r in fault_rows})},
+                   "missed": pack_rows(missed), "environment": env}
     path = write_json(folder / ("gpu_faults.json" if faults else "gpu_tests.json"), summary)
     print(f"\n[gpu] {len(rows)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
     if mixer and not faults:

@@ -426,20 +426,36 @@ def test_a_fault_run_writes_its_own_summary(tmp_path, monkeypatch):
     plumbing = _load("conftest_faults_copy", TESTS / "conftest.py")
     monkeypatch.setattr(plumbing, "ROOT", tmp_path)
     monkeypatch.setattr(ssd.tools.env, "environment", lambda: {"gpu": "NVIDIA H200"})
-    monkeypatch.setenv("SSD_INJECT_FAULT", "all")
-    rows = [dict(test="t", dtype="bfloat16", stage="y", rel_err=1e-3, tol=1.5e-2, elem_ratio=0.3),
-            dict(test="t", kind="fault", dtype="bfloat16", fault="tile-zero", target="y",
-                 applicable=True, caught_elem=True, caught_norm=False),
-            dict(test="t", kind="fault", dtype="bfloat16", fault="padding-leak", target="stages",
-                 applicable=False)]
+    fault = dict(kind="fault", dtype="bfloat16", applicable=True, visible=True, caught_elem=True,
+                 caught_norm=False)
+    rows = [dict(test="edge/x", dtype="bfloat16", stage="y", rel_err=1e-3, tol=1.5e-2,
+                 elem_ratio=0.3),
+            dict(fault, test="edge/x", fault="tile-zero", target="y"),
+            dict(fault, test="random/3", fault="tile-zero", target="y", caught_norm=True),
+            dict(fault, test="random/3", fault="carry-dropped", target="stages", visible=False,
+                 caught_elem=False),
+            dict(fault, test="edge/x", fault="decay-off-by-one", target="stages", caught_elem=False),
+            dict(test="edge/x", kind="fault", dtype="bfloat16", fault="padding-leak",
+                 target="stages", applicable=False)]
     plumbing.pytest_runtest_logreport(SimpleNamespace(
-        when="call", keywords={"gpu": True}, outcome="passed", failed=False, nodeid="t",
+        when="call", keywords={"gpu": True}, outcome="failed", failed=True, nodeid="t",
         user_properties=[("gpu_rows", rows)]))
-    plumbing.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()), 0)
+    finish = SimpleNamespace(config=SimpleNamespace())
+    plumbing.pytest_sessionfinish(finish, 0)                        # a plain run
     folder = tmp_path / "results" / "h200"
-    assert not (folder / "gpu_tests.json").exists()
-    summary = json.loads((folder / "gpu_faults.json").read_text())
-    assert summary["faults"] == list(V.FAULTS)
-    assert summary["faults_caught"] == {"tile-zero": {"injected": 1, "caught_elem": 1,
-                                                      "caught_norm": 0}}
+    summary = json.loads((folder / "gpu_tests.json").read_text())
     assert summary["worst_elem_ratio_by_dtype"] == {"bfloat16": 0.3}
+    assert summary["faults_caught"]["tile-zero"] == dict(injected=2, visible=2, caught_elem=2,
+                                                         caught_norm=1)
+    assert summary["faults_caught"]["carry-dropped"] == dict(injected=1, visible=0,
+                                                             caught_elem=0, caught_norm=0)
+    (folder / "gpu_tests.json").unlink()
+    monkeypatch.setenv("SSD_INJECT_FAULT", "all")                   # a fault run
+    plumbing.pytest_sessionfinish(finish, 0)
+    assert not (folder / "gpu_tests.json").exists()
+    faults = json.loads((folder / "gpu_faults.json").read_text())
+    assert faults["faults"] == list(V.FAULTS) and "rows" not in faults
+    assert faults["faults_caught_by_family"]["random"]["tile-zero"]["caught_norm"] == 1
+    assert faults["faults_caught_by_family"]["edge"]["tile-zero"]["caught_norm"] == 0
+    missed = ssd.tools.env.unpack_rows(faults["missed"])
+    assert [r["fault"] for r in missed] == ["decay-off-by-one"]
