@@ -444,9 +444,9 @@ def test_matches_mamba_ssm_where_it_is_correct(gpu_record, name):
                                kind="peer", rel_err=checks[key].rel_err,
                                mamba_ssm_rel_err=peer_err, ours_vs_mamba_ssm=diff,
                                tol=TOL["bfloat16"], elem_ratio=checks[key].elem.ratio))
-        assert checks[key].ok, checks[key].failure()
         if peer_err <= TOL["bfloat16"]:
             assert diff <= 2 * TOL["bfloat16"], f"{name}/{key}: ours vs mamba_ssm {diff:.3e}"
+    assert all(c.ok for c in checks.values()), "; ".join(c.failure() for c in checks.values())
 
 
 @pytest.mark.skipif(os.environ.get("SSD_SKIP_LARGE") == "1", reason="SSD_SKIP_LARGE=1")
