@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -304,9 +305,9 @@ def tile_scale(key: str, ref: np.ndarray, q: int, gate: np.ndarray | None = None
         with np.errstate(divide="ignore", invalid="ignore"):
             values = np.where(np.abs(gate) >= 0.05, ref / gate, np.nan)
     tiles = _tiled(key, values, q)
-    with np.errstate(invalid="ignore"):
-        rms = np.sqrt(np.nanmean(np.square(tiles), axis=-1))
-    rms = np.nan_to_num(rms, nan=0.0)
+    with warnings.catch_warnings():  # a tile with no element to average (all gates ~0): 0
+        warnings.simplefilter("ignore", RuntimeWarning)
+        rms = np.nan_to_num(np.sqrt(np.nanmean(np.square(tiles), axis=-1)), nan=0.0)
     scale = np.broadcast_to(rms[..., None], tiles.shape)
     if key == "y":  # back to (b, l, h, p)
         b, l, h, p = ref.shape
