@@ -19,7 +19,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book gpu gpu-check gpu-bench gpu-study gpu-results gpu-tilegym resources clean
+.PHONY: book test test-py test-nb test-book test-browser gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-results gpu-tilegym resources clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -60,26 +60,34 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 	$(BOOK_VENV)/bin/python -m pip install -q -e '.[book]'
 	touch $@
 
-# make gpu: on a GPU machine, in an environment with .[gpu,test] installed, record every GPU
-# number the book reads, all at one revision (commit first: each recording names it), then
-# execute the GPU chapters so their stored outputs come from the same run. Four parts, each
-# under ten minutes on an H200, for machines that cap a command's time:
-#   gpu-check    the GPU tests (results/<gpu>/gpu_tests.json, gpu_mixer_tests.json; one process
-#                per core, since compiling the kernel variants dominates) and first calls
-#   gpu-bench    the models and serving suites against mamba_ssm and TileGym, and TileGym tuned
-#                replayed
-#   gpu-study    the layout study, the SSD's share of the Mamba-2 layer and a prefill grid
-#   gpu-results  chapters 04-08 executed (they time kernels live and record what they show)
-# The layer calls our SSD at chunk 64 and mamba_ssm's at 256, each one's fastest on most
-# models shapes (chapter 10).
+# make gpu: on a GPU machine, in an environment with .[gpu,test] installed, record
+# every GPU number the book reads, all at one revision (commit first: each recording
+# names it), then execute the GPU chapters so their stored outputs come from the same
+# run. Each part is sized for under ten minutes on a fresh H100 or H200, for machines
+# that cap a command's time:
+#   gpu-check     the GPU tests (gpu_tests.json, gpu_mixer_tests.json; one process per
+#                 core: compiling the kernel variants dominates) and first calls
+#   gpu-models-1  the models suite against mamba_ssm and TileGym, some shapes, and
+#   gpu-models-2  the others, merged into one models.json (about two minutes a shape,
+#                 most of it compiling and mamba_ssm's autotuning)
+#   gpu-bench     the serving suite, and TileGym tuned replayed beside ours
+#   gpu-study     the layout study, the SSD's share of the layer and a prefill grid
+#   gpu-results   chapters 04-08 executed (they time kernels live, record what they show)
+# The layer calls our SSD at chunk 64 and mamba_ssm's at 256, each one's fastest on
+# most models shapes (chapter 10).
 GPU_PYTHON ?= python3
-gpu: gpu-check gpu-bench gpu-study gpu-results
+MODELS_1 ?= 130m,2.7b,long-16k
+MODELS_2 ?= codestral-7b,small-state
+gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
 	$(GPU_PYTHON) -m pytest -m gpu -n auto -q tests/
 	$(GPU_PYTHON) -m ssd.tools.bench --suite first-call
+gpu-models-1:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30 --shapes $(MODELS_1) --merge
+gpu-models-2:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30 --shapes $(MODELS_2) --merge
 gpu-bench:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30
 	$(GPU_PYTHON) -m ssd.tools.bench --suite serving --reps 30
 	$(GPU_PYTHON) -m ssd.tools.bench --suite models --impl ssd --impl tilegym_tuned --quick --reps 30 \
 	  --tilegym-replay --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/tilegym_replayed.json

@@ -315,7 +315,8 @@ def test_retune_mamba_ssm_forgets_only_mamba_ssms_tuned_configurations(monkeypat
                                             "no named shapes"),
                                            (["--suite", "study", "--shapes", "x"], "x not in"),
                                            (["--tilegym-replay"],
-                                            "goes with --impl tilegym_tuned")])
+                                            "goes with --impl tilegym_tuned"),
+                                           (["--merge"], "--merge goes with --shapes")])
 def test_main_rejects_shapes_outside_the_suite(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
@@ -462,3 +463,45 @@ def test_worst_gate_result_is_a_failure_before_any_pass():
     assert worst(1e-3, -0.5) == -0.5 and worst(-0.5, 1e-3) == -0.5
     assert worst(-0.02, -0.5) == -0.5
     assert worst(math.inf, -0.5, 1e-3) == math.inf
+
+
+def test_a_suite_split_over_commands_merges_into_one_recording_of_its_revision():
+    """--shapes A --merge then --shapes B --merge: one models.json holding both, each shape's
+    rows from its own command; another revision's file is never merged into."""
+    env = dict(git_revision="rev-a", gpu="NVIDIA H200")
+    settings = dict(reps=30)
+
+    def run(shape, ms):
+        return dict(records=[dict(shape=shape, impl="ssd", median_ms=ms)],
+                    stages=[dict(shape=shape, ssd={"chunk_scan": ms})], failures=[],
+                    skipped={f"{shape}/tilegym": "absent"}, mamba_ssm_configs={shape: {"c": 1}},
+                    tilegym_configs={}, tilegym_stages={}, ceilings=dict(copy_bytes_per_s=1.0),
+                    settings=settings, environment=env)
+
+    merged = bench.merge_runs(run("130m", 1.0), run("2.7b", 2.0))
+    assert [(r["shape"], r["median_ms"]) for r in merged["records"]] == [("130m", 1.0),
+                                                                       ("2.7b", 2.0)]
+    assert set(merged["mamba_ssm_configs"]) == {"130m", "2.7b"}
+    assert set(merged["skipped"]) == {"130m/tilegym", "2.7b/tilegym"}
+    again = bench.merge_runs(merged, run("130m", 1.5))  # a shape measured again replaces its rows
+    assert sorted((r["shape"], r["median_ms"]) for r in again["records"]) == [("130m", 1.5),
+                                                                             ("2.7b", 2.0)]
+    assert [s["shape"] for s in again["stages"]] == ["2.7b", "130m"]
+    other = dict(run("2.7b", 2.0), environment=dict(env, git_revision="rev-b"))
+    with pytest.raises(ValueError, match="another revision"):
+        bench.merge_runs(other, run("130m", 1.0))
+    with pytest.raises(ValueError, match="settings"):
+        bench.merge_runs(dict(run("2.7b", 2.0), settings=dict(reps=10)), run("130m", 1.0))
+
+
+def test_merge_target_is_the_suite_file_of_this_revision_only(tmp_path):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(merge=True, out=str(tmp_path / "models.json"), suite="models",
+                           vary=None, shapes="130m")
+    env = dict(git_revision="rev-a", gpu="NVIDIA H200")
+    assert bench._merge_target(args, env) is None                    # nothing recorded yet
+    (tmp_path / "models.json").write_text(json.dumps(dict(environment=env, records=[])))
+    assert bench._merge_target(args, env) == dict(environment=env, records=[])
+    assert bench._merge_target(args, dict(env, git_revision="rev-b")) is None
+    assert bench._merge_target(SimpleNamespace(**{**vars(args), "merge": False}), env) is None

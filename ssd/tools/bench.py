@@ -984,6 +984,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="graph + flushed only, no stages")
     parser.add_argument("--out", help="output JSON (default results/<gpu>/<suite>.json)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --shapes: merge these shapes into the suite's recording (made "
+                             "at the same revision with the same settings) instead of writing a "
+                             "file of their own, so a suite can be split over several commands")
     parser.add_argument("--vary", action="append", metavar="STAGE.FIELD=V1,V2",
                         help="study only: time these values of one field each around the default "
                              "instead of the study's space (e.g. state.block_k=16,32, q=128, or "
@@ -1009,6 +1013,8 @@ def main(argv=None) -> int:
     if args.tilegym_table:
         print(f"wrote {write_tilegym_table(args.tilegym_table)}")
         return 0
+    if args.merge and not args.shapes:
+        parser.error("--merge goes with --shapes")
     if args.vary and args.suite != "study":
         parser.error("--vary goes with --suite study")
     if args.stages and args.suite != "study":
@@ -1027,6 +1033,50 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         caches = fresh_kernel_caches(stack)
         return _run(parser, args, shapes, names, caches)
+
+
+def _suite_path(args, names, env) -> Path:
+    name = "study-vary" if args.vary else args.suite
+    if args.shapes and not args.merge:  # a subset never overwrites the suite's recording
+        name += "-" + "+".join(names)
+    return ROOT / "results" / gpu_slug(env) / f"{name}.json"
+
+
+def _merge_target(args, env) -> dict | None:
+    """With --merge, the recording this run of some shapes merges into: the suite's file when
+    it was made at this revision on this GPU; None (it is replaced) when there is none or it is
+    of another revision: one recording, one revision."""
+    path = Path(args.out) if args.out else _suite_path(args, (), env)
+    if not (args.merge and path.is_file()):
+        return None
+    old = json.loads(path.read_text())
+    mine = all(old.get("environment", {}).get(k) == env.get(k) for k in ("git_revision", "gpu"))
+    return old if mine else None
+
+
+def merge_runs(old: dict, new: dict) -> dict:
+    """A recording of some shapes merged into one of other shapes, made at the same revision
+    with the same settings (a suite split over several commands): lists of per-shape rows and
+    dicts keyed by shape take the new run's entries for its shapes and keep the old run's for
+    the others; ``skipped`` is keyed "shape/impl"; the rest (settings, environment) is the new
+    run's. Raises ValueError for another revision or other settings."""
+    same = ("git_revision", "gpu")
+    if any(old.get("environment", {}).get(k) != new["environment"].get(k) for k in same) or \
+            old.get("settings") != new.get("settings"):
+        raise ValueError("--merge: the recording there has another revision, GPU or settings "
+                         "(--reps, --quick): run these shapes as it was run")
+    shapes = {r["shape"] for key in ("records", "rows", "stages", "failures")
+              for r in new.get(key, []) if isinstance(r, dict) and "shape" in r}
+    shapes |= {k for key in ("mamba_ssm_configs", "tilegym_configs", "tilegym_stages",
+                             "tilegym_replayed_from") for k in new.get(key, {})}
+    out = dict(new)
+    for key, value in new.items():
+        if isinstance(value, list) and key in old:
+            out[key] = [r for r in old[key] if r.get("shape") not in shapes] + value
+        elif key == "skipped" or key.endswith(("_configs", "_stages", "_from")):
+            out[key] = {**{k: v for k, v in old.get(key, {}).items()
+                           if k.split("/")[0] not in shapes}, **value}
+    return out
 
 
 def _run(parser, args, shapes, names, caches) -> int:
@@ -1054,8 +1104,13 @@ def _run(parser, args, shapes, names, caches) -> int:
                       + f"{factor}: {label}")
     else:
         quick = dict(modes=("graph",), l2s=("flushed",), stages=False) if args.quick else {}
+        # a merged recording keeps one set of ceilings: the floors of all its records use them
+        ceilings = merged.get("ceilings") if (merged := _merge_target(args, env)) else None
         payload = run_suite(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
-                            reps=args.reps, tilegym_replay=replay, **quick)
+                            reps=args.reps, tilegym_replay=replay, ceilings=ceilings, **quick)
+        if merged:
+            payload["environment"] = env
+            payload = merge_runs(merged, payload)
         sp = speedups(payload["records"])
         payload["speedup_vs_mamba_ssm"] = sp
         print("\nshape            ours ms   mamba_ssm best ms   speedup   floor ms   ours/floor")
@@ -1069,10 +1124,9 @@ def _run(parser, args, shapes, names, caches) -> int:
         for f in payload["failures"]:
             print("FAILED", f)
     payload["environment"] = env
-    name = "study-vary" if args.vary else args.suite
-    if args.shapes:  # a subset never overwrites the suite's recording
-        name += "-" + "+".join(names)
-    path = args.out or ROOT / "results" / gpu_slug(env) / f"{name}.json"
+    if args.suite == "study" and (merged := _merge_target(args, env)):
+        payload = merge_runs(merged, payload)
+    path = args.out or _suite_path(args, names, env)
     write_json(path, payload)
     print(f"[bench] wrote {path}")
     return 0
