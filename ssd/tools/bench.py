@@ -239,7 +239,6 @@ def measure_ceilings() -> dict:
     copy = time_fn(lambda: dst.copy_(src), mode="eager", l2="warm", reps=20)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm = time_fn(lambda: a @ a, mode="eager", l2="warm", reps=20)
-    del src, dst
     return dict(copy_bytes_per_s=2 * 2**30 / (copy["median_ms"] * 1e-3),
                 bf16_flops_per_s=2 * 8192**3 / (mm["median_ms"] * 1e-3))
 
