@@ -76,7 +76,7 @@ class StateConfig:
     block_p: int = 64
     block_n: int = 64
     block_k: int = 64
-    fused: bool = True
+    fused: bool = True  # per-chunk states never reach memory [fig-fused-stage2]
     state_dtype: str = "input"
     occupancy: int | None = 4
     latency: int | None = None
