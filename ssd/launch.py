@@ -140,7 +140,7 @@ def _param_kinds(kernel) -> tuple:
     """For each kernel parameter: ('const', None), ('array', index_dtype) or ('scalar', None)."""
     kinds = []
     hints = typing.get_type_hints(kernel._pyfunc, include_extras=True)
-    for name in inspect.signature(kernel._pyfunc).parameters:
+    for name in _param_names(kernel):
         hint = hints.get(name)
         meta = getattr(hint, "__metadata__", ())
         if any(isinstance(m, ct.ConstantAnnotation) for m in meta):

@@ -20,7 +20,6 @@ from ..config import CumsumConfig
 from .tiles import ConstInt, ConstBool, ZERO
 
 
-
 @functools.lru_cache(maxsize=None)
 def build_kernel(index_dtype=ct.int32):
     """The chunk_cumsum kernel with arrays indexed by ``index_dtype`` (int64 only for huge inputs)."""

@@ -108,7 +108,6 @@ def column_keep(causal, trow, js, seq_t, seq_idx, ib, ic, Q, BLOCK_M, BLOCK_S, H
     return keep
 
 
-
 def column_block(js, causal, ib, ic, jh, ig, ip, trow, a_ts, c_t, B, x, dt_out, dA_cumsum,
                  seq_t, seq_idx, Q, BLOCK_H, BLOCK_M, BLOCK_S, BLOCK_P, N_PAD, HAS_SEQ, LATENCY):
     """Tile code: column block ``js`` for each head j of the block (``a_ts``: the rows' decays

@@ -31,7 +31,6 @@ from ..config import FusedScanConfig, next_pow2
 from .tiles import ConstInt, ConstBool, ZERO, LOG2E, chunk_end_decay, head_rows, head_weights, finish_rows
 
 
-
 @functools.lru_cache(maxsize=None)
 def build_kernel(index_dtype=ct.int32, occupancy=None):
     Array = array_type(index_dtype)

@@ -37,7 +37,6 @@ from ..config import StateConfig
 from .tiles import ConstInt, ConstBool, ZERO, LOG2E, DECAY_ROW, chunk_end_decay, chunk_state_tile
 
 
-
 def carry_factor(dA_cumsum, seq_last, prev_seq, ib, ih, ic, Q, BLOCK_K, HAS_SEQ):
     """Tile code: the [1, 1] factor that carries the running state across chunk ``ic``, and
     the sequence id at the chunk's end (the next chunk's ``prev_seq``)."""
@@ -228,7 +227,6 @@ def _outputs(b, nchunks, h, p, n, device, config, input_dtype, out):
     state_dtype = getattr(torch, config.storage_dtype(input_dtype))
     return (torch.empty((b, nchunks, h, p, n), device=device, dtype=state_dtype),
             torch.empty((b, h, p, n), device=device, dtype=torch.float32))
-
 
 
 def chunks_per_group(nchunks: int, groups: int) -> int:

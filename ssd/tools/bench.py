@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import NARROW_STATE, SSDConfig, default_config
-from .env import ROOT, environment, gpu_slug, write_json
+from .env import RESULTS, ROOT, environment, gpu_slug, write_json
 
 
 @dataclass(frozen=True)
@@ -529,7 +529,7 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
 
 #: TileGym's tuned configurations per GPU and shape (``make gpu-tilegym`` writes it): the input
 #: of ``--tilegym-replay``, not a recording of ours.
-TILEGYM_TUNED = ROOT / "results" / "tilegym_tuned.json"
+TILEGYM_TUNED = RESULTS / "tilegym_tuned.json"
 
 
 def tilegym_tuning(run: dict, shape: str) -> dict:
@@ -546,10 +546,14 @@ def tilegym_tuning(run: dict, shape: str) -> dict:
                 date=env.get("date"), tuning_s=tuned[0]["first_call_s"])
 
 
+def _tilegym_table(path) -> dict:
+    return json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+
+
 def write_tilegym_table(folder, path=TILEGYM_TUNED) -> Path:
     """Merge the searched runs ``folder/<shape>.json`` into the table at ``path``, under their
     GPU (each run's environment names it)."""
-    table = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    table = _tilegym_table(path)
     for run_path in sorted(Path(folder).glob("*.json")):
         run = json.loads(run_path.read_text())
         table.setdefault(gpu_slug(run["environment"]), {})[run_path.stem] = tilegym_tuning(
@@ -560,7 +564,7 @@ def write_tilegym_table(folder, path=TILEGYM_TUNED) -> Path:
 def tilegym_replay_source(gpu: str, shape: str, path=TILEGYM_TUNED) -> dict:
     """What ``--tilegym-replay`` replays for ``shape`` on ``gpu`` (a slug such as "h200"): the
     configurations TileGym's search chose there, from the table at ``path``."""
-    table = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
+    table = _tilegym_table(path)
     if shape not in table.get(gpu, {}):
         raise FileNotFoundError(f"--tilegym-replay: {path} has no tuning of {shape} on {gpu}: "
                                 "tune it (make gpu-tilegym)")
@@ -1038,7 +1042,7 @@ def _suite_path(args, names, env) -> Path:
     name = "study-vary" if args.vary else args.suite
     if args.shapes and not args.merge:  # a subset never overwrites the suite's recording
         name += "-" + "+".join(names)
-    return ROOT / "results" / gpu_slug(env) / f"{name}.json"
+    return RESULTS / gpu_slug(env) / f"{name}.json"
 
 
 def _merge_target(args, env) -> dict | None:

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 from .bench import SUITES, Shape, _progress
-from .env import ROOT, environment, gpu_slug, write_json
+from .env import RESULTS, environment, gpu_slug, write_json
 
 #: Backends compared end to end: ours and mamba_ssm's Triton forward.
 SHARE_BACKENDS = ("cutile", "mamba_ssm")
@@ -600,7 +600,7 @@ def main(argv=None) -> int:
         grid = [(smoke, 1, SMOKE_SHAPES[0].l)]
     parts = (args.only,) if args.only else ("share", "prefill")
     out = (Path(args.out) if args.out
-           else ROOT / "results" / gpu_slug(environment()) / "endtoend.json")
+           else RESULTS / gpu_slug(environment()) / "endtoend.json")
     payload = run(shapes, tuple(args.backend or SHARE_BACKENDS), grid, parts=parts,
                   reps=args.reps, prefill_reps=args.prefill_reps, mode=args.mode, l2=args.l2,
                   n_layers=args.layers, chunk_size=chunk, chunk_sizes=chunk_sizes, dtype=dtype,
