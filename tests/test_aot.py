@@ -474,3 +474,21 @@ def test_packed_sequences_take_the_three_stages():
 def test_one_kernel_scan_compiles_with_every_input(arch):
     """z, initial states, D per channel, a partial chunk, p and n not powers of two."""
     assert len(aot.export_cubin(one_kernel_scan((2, 100, 4, 96, 48, 2), "unpacked"), arch)) > 1000
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_fma_chain_compiles(arch):
+    """The kernel behind the measured fp32 rate (``measure_ceilings``) builds for every arch."""
+    import torch
+
+    from ssd.kernels.primer import export
+    from ssd.launch import capture
+    from ssd.tools import rate_kernel
+
+    x = torch.empty(4 * rate_kernel.TILE)
+    with capture() as rec:
+        flops = rate_kernel.launch_fma_chain(x, torch.empty_like(x))
+    assert flops == 2 * rate_kernel.STEPS * x.numel()
+    assert export(rec[0], arch).data[:4] == b"\x7fELF"
+    with pytest.raises(ValueError, match="multiple of"):
+        rate_kernel.launch_fma_chain(torch.empty(5), torch.empty(5))

@@ -229,18 +229,26 @@ def time_fn(fn, *, mode="graph", l2="flushed", reps=50, warmup=5) -> dict:
 
 
 def measure_ceilings() -> dict:
-    """Device-to-device copy bandwidth and bf16 matmul rate, measured now on this GPU. (No L2
+    """Device-to-device copy bandwidth, bf16 matmul rate and fp32 FMA rate of the CUDA cores
+    (:mod:`ssd.tools.rate_kernel`), measured now on this GPU. (No L2
     tile ceiling: a kernel that only loaded bf16 [64, 64] tiles from L2 took them at 4.0 TB/s on
     the H200, below the modelled tile traffic the stages reach, so it bounds nothing.)"""
     import torch
+
+    from .rate_kernel import launch_fma_chain
 
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     copy = time_fn(lambda: dst.copy_(src), mode="eager", l2="warm", reps=20)
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm = time_fn(lambda: a @ a, mode="eager", l2="warm", reps=20)
+    x = torch.rand(2**24, device="cuda")
+    y = torch.empty_like(x)
+    fma_flops = launch_fma_chain(x, y)  # the first launch compiles
+    fma = time_fn(lambda: launch_fma_chain(x, y), mode="eager", l2="warm", reps=20)
     return dict(copy_bytes_per_s=2 * 2**30 / (copy["median_ms"] * 1e-3),
-                bf16_flops_per_s=2 * 8192**3 / (mm["median_ms"] * 1e-3))
+                bf16_flops_per_s=2 * 8192**3 / (mm["median_ms"] * 1e-3),
+                fp32_fma_flops_per_s=fma_flops / (fma["median_ms"] * 1e-3))
 
 
 def floor_ms(shape: Shape, ceilings: dict, dtype_bytes=2) -> dict:
