@@ -195,12 +195,19 @@ def test_gate_passes_the_reference_and_fails_a_wrong_output():
     np64 = {k: v.double().numpy() for k, v in inputs.items()}
     y = torch.from_numpy(ssd_chunked(np64["x"], np64["dt"], np64["A"], np64["B"], np64["C"], 64,
                                      D=np64["D"], dt_bias=np64["dt_bias"], dt_softplus=True))
-    assert 0 <= bench.gate(shape, inputs, y) < 1e-12
+    gate = bench.Gate(shape, inputs)
+    assert 0 <= gate(y) < 1e-12
     wrong = y.clone()
     wrong[-1, :, -1] *= 1.1  # the last head of the last batch row: inside the gated slice
-    assert bench.gate(shape, inputs, wrong) < 0
+    assert gate(wrong) < 0
+    outside = y.clone()
+    outside[0, :, 0] = float("nan")  # outside the gated slice: not seen
+    assert 0 <= gate(outside) < 1e-12
+    y_nan = y.clone()
+    y_nan[-1, 0, -1, 0] = float("nan")
+    assert gate(y_nan) == float("inf")
     with pytest.raises(ValueError, match="^heads"):
-        bench.gate(shape, inputs, y, heads=3)
+        bench.Gate(shape, inputs, heads=3)
 
 
 def test_vary_space_is_one_point_per_value_around_the_default():

@@ -281,32 +281,45 @@ def floor_ms(shape: Shape, ceilings: dict, dtype_bytes=2) -> dict:
 # ----------------------------------------------------------------------------- gate
 
 
-def gate(shape: Shape, inputs: dict, y, heads=2, tol=1.5e-2) -> float:
-    """Relative error of ``y`` against the float64 reference on the last batch row and the
-    last ``heads`` heads (full sequence). bf16 tolerance of the GPU tests."""
-    from ..problem import ProblemSpec
+class Gate:
+    """The correctness gate of one shape's inputs: the float64 reference on the last batch row
+    and the last ``heads`` heads (full sequence), computed once, then compared with each
+    implementation's output (a reference takes seconds on the CPU; a shape is gated a dozen
+    times or more)."""
 
-    if heads > shape.h // shape.g:
-        raise ValueError(f"heads: the gate checks heads of one group (at most {shape.h // shape.g})")
-    hs = slice(shape.h - heads, shape.h)
-    gsel = slice(shape.g - 1, shape.g)  # the last heads read the last group's B and C
-    spec = ProblemSpec(1, shape.l, heads, shape.p, shape.n, 1, chunk_size=256, D="h",
-                       dt_bias=True, dt_softplus=True, name=shape.name)
-    np64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
-    sl = dict(x=np64(inputs["x"][-1:, :, hs]), dt=np64(inputs["dt"][-1:, :, hs]),
-              A=np64(inputs["A"][hs]), B=np64(inputs["B"][-1:, :, gsel]),
-              C=np64(inputs["C"][-1:, :, gsel]), D=np64(inputs["D"][hs]),
-              dt_bias=np64(inputs["dt_bias"][hs]))
-    ref = spec.reference(sl)["y"]
-    out = np64(y[-1:, :, hs])
-    if not np.isfinite(out).all():
-        return math.inf
-    err = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-    return err if err <= tol else -err  # negative: failed
+    def __init__(self, shape: Shape, inputs: dict, heads=2, tol=1.5e-2):
+        """``tol``: the bf16 tolerance of the GPU tests (relative Frobenius error)."""
+        from ..problem import ProblemSpec
+
+        if heads > shape.h // shape.g:
+            raise ValueError(f"heads: the gate checks heads of one group (at most "
+                             f"{shape.h // shape.g})")
+        self.heads, self.tol = slice(shape.h - heads, shape.h), tol
+        gsel = slice(shape.g - 1, shape.g)  # the last heads read the last group's B and C
+        spec = ProblemSpec(1, shape.l, heads, shape.p, shape.n, 1, chunk_size=256, D="h",
+                           dt_bias=True, dt_softplus=True, name=shape.name)
+        hs = self.heads
+        sl = dict(x=_np64(inputs["x"][-1:, :, hs]), dt=_np64(inputs["dt"][-1:, :, hs]),
+                  A=_np64(inputs["A"][hs]), B=_np64(inputs["B"][-1:, :, gsel]),
+                  C=_np64(inputs["C"][-1:, :, gsel]), D=_np64(inputs["D"][hs]),
+                  dt_bias=_np64(inputs["dt_bias"][hs]))
+        self.ref = spec.reference(sl)["y"]  # (1, l, heads, p)
+
+    def __call__(self, y) -> float:
+        """Relative error of ``y`` (b, l, h, p) on the gated slice; negative: failed."""
+        out = _np64(y[-1:, :, self.heads])
+        if not np.isfinite(out).all():
+            return math.inf
+        err = float(np.linalg.norm(out - self.ref) / np.linalg.norm(self.ref))
+        return err if err <= self.tol else -err
+
+
+def _np64(t):
+    return t.detach().double().cpu().numpy()
 
 
 def worst(*errs: float) -> float:
-    """The worst of several :func:`gate` results (a failure, negative or inf, before any pass)."""
+    """The worst of several :class:`Gate` results (a failure, negative or inf, before any pass)."""
     return max(errs, key=lambda e: (e < 0 or not math.isfinite(e), abs(e)))
 
 
@@ -472,6 +485,7 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
     tilegym_tuned, tilegym_stages = {}, {}
     for shape in _progress(shapes, "shapes"):
         inputs = make_inputs(shape, dtype)
+        gate = Gate(shape, inputs)
         table, skipped = implementations(inputs, impls, config)
         skipped_all.update({f"{shape.name}/{k}": v for k, v in skipped.items()})
         floor = floor_ms(shape, ceilings)
@@ -489,7 +503,7 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
                         failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
                                              error=f"{type(exc).__name__}: {exc}"[:400]))
                         continue
-                    err = worst(gate(shape, inputs, y_first), gate(shape, inputs, y))
+                    err = worst(gate(y_first), gate(y))
                     if err < 0 or not math.isfinite(err):
                         failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
                                              error=f"correctness gate: rel err {abs(err):.3e}"))
@@ -878,12 +892,13 @@ def run_study(shapes, space=None, reps=30, stages=False) -> dict:
     rows = []
     for shape in _progress(shapes, "study"):
         inputs = make_inputs(shape)
+        gate = Gate(shape, inputs)
         x, dt, A, B, C, D, bias = _forward_args(inputs)
         for factor, q, cfg in points_of[shape.name]:
             fn = lambda q=q, cfg=cfg: api.mamba_chunk_scan_combined(  # noqa: E731
                 x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=cfg)
             first, tuned_s, y_first, y = first_call(fn)
-            err = worst(gate(shape, inputs, y_first), gate(shape, inputs, y))
+            err = worst(gate(y_first), gate(y))
             stats = time_fn(fn, mode="graph", l2="flushed", reps=reps)
             extra = dict(stages=stage_times(inputs, chunk_size=q, config=cfg)) if stages else {}
             rows.append(dict(shape=shape.name, dims=list(shape.dims), chunk_size=q,
