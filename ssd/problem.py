@@ -9,6 +9,11 @@ intermediate of the chunked algorithm, so a kernel test can compare stage by sta
     ref = spec.reference(inputs)                # dt_out, dA_cumsum, states, ...
     y = ssd_chunked(**inputs, **spec.options)   # == ref["y"]
 
+and the same for the backward pass, from seeded upstream gradients::
+
+    grads = spec.make_output_grads(seed=0)      # dy, dfinal_states
+    dref = spec.reference_backward(inputs, grads)  # dprev_states, dstates, ..., dx, ddt, ...
+
 Three collections of specs:
 
 * ``EDGE_SHAPES``  -- small named shapes, each isolating one edge case or feature;
@@ -37,6 +42,9 @@ How inputs are drawn (``make_inputs``), and why
 * seq_idx is int32 (as mamba_ssm expects); everything else is float64 unless
   ``dtype`` asks otherwise. Each array has its own random stream keyed by its name,
   so switching one feature on leaves the other arrays unchanged.
+* The upstream gradients dy and dfinal_states (``make_output_grads``) ~ N(0, 1): a loss
+  whose gradient is of the outputs' own scale; streams of their own, so drawing them
+  leaves the inputs unchanged.
 """
 
 from __future__ import annotations
@@ -57,14 +65,27 @@ from ssd.reference import (
     chunk_state,
     state_passing,
 )
+from ssd.reference_backward import (
+    chunk_cumsum_backward,
+    chunk_scan_backward,
+    chunk_state_backward,
+    state_passing_backward,
+)
 
 __all__ = ["ProblemSpec", "EDGE_SHAPES", "MODEL_SHAPES", "random_spec"]
 
-# One independent random stream per array (see make_inputs).
+# One independent random stream per array (see make_inputs, make_output_grads).
 _STREAMS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
+_GRAD_STREAMS = ("dy", "dfinal_states")
 
 #: Names of the entries ``ProblemSpec.reference`` returns, in stage order.
 REFERENCE_KEYS = ("dt_out", "dA_cumsum", "states", "prev_states", "final_states", "y")
+
+#: Names of the entries ``ProblemSpec.reference_backward`` returns, in the backward's
+#: stage order: the gradients of the intermediates, then of the inputs. The last four are
+#: present only when the spec has that input (D, z, dt_bias, initial_states).
+BACKWARD_KEYS = ("dprev_states", "dstates", "ddt_out", "ddA_cumsum", "dx", "ddt", "dA",
+                 "dB", "dC", "dD", "dz", "ddt_bias", "dinitial_states")
 
 
 def _inverse_softplus(v):
@@ -250,6 +271,64 @@ class ProblemSpec:
                        prev_states, get("D"), get("z"), get("seq_idx"))
         return {"dt_out": dt_out, "dA_cumsum": dA_cumsum, "states": states,
                 "prev_states": prev_states, "final_states": final_states, "y": y}
+
+    def make_output_grads(self, seed=0, dtype=np.float64) -> dict:
+        """Seeded upstream gradients for the backward pass, N(0, 1).
+
+        Args:
+            seed: int; the same seed gives the same arrays.
+            dtype: float dtype (drawn in float64, then cast).
+        Returns:
+            dict with dy (b, l, h, p) and dfinal_states (b, h, p, n).
+        """
+        b, l, h, p, n, g = self.dims
+        shapes = {"dy": (b, l, h, p), "dfinal_states": (b, h, p, n)}
+        return {name: np.random.default_rng([seed, len(_STREAMS) + i])
+                .standard_normal(shapes[name]).astype(dtype)
+                for i, name in enumerate(_GRAD_STREAMS)}
+
+    def reference_backward(self, inputs, grads) -> dict:
+        """Float64 reference for every gradient of the chunked backward, stage by stage.
+
+        The forward intermediates come from ``reference(inputs)``; each stage's backward
+        (``ssd.reference_backward``) runs in reverse order.
+
+        Args:
+            inputs: a dict from ``make_inputs`` (any float dtype; computed in float64).
+            grads: a dict from ``make_output_grads``: dy (b, l, h, p) and, optionally,
+                dfinal_states (b, h, p, n).
+        Returns:
+            dict of float64 arrays, keys in ``BACKWARD_KEYS`` order:
+                dprev_states: (b, c, h, p, n)     -- chunk_scan's backward
+                dstates: (b, c, h, p, n)          -- state_passing's backward
+                ddt_out, ddA_cumsum: (b, h, c, q) -- summed over chunk_scan,
+                                                     state_passing and chunk_state
+                dx (b, l, h, p), ddt (b, l, h), dA (h,), dB and dC (b, l, g, n), and
+                where the spec has the input: dD ((h,) or (h, p)), dz (b, l, h, p),
+                ddt_bias (h,), dinitial_states (b, h, p, n)
+        """
+        get = inputs.get
+        x, B, C, seq_idx = inputs["x"], inputs["B"], inputs["C"], get("seq_idx")
+        ref = self.reference(inputs)
+        dt_out, dA_cumsum = ref["dt_out"], ref["dA_cumsum"]
+        scan = chunk_scan_backward(grads["dy"], B, C, x, dt_out, dA_cumsum,
+                                   ref["prev_states"], get("D"), get("z"), seq_idx)
+        passing = state_passing_backward(scan["dprev_states"], ref["states"], dA_cumsum,
+                                         get("initial_states"), seq_idx, self.chunk_size,
+                                         dfinal_states=grads.get("dfinal_states"))
+        state = chunk_state_backward(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx)
+        ddt_out = scan["ddt_out"] + state["ddt_out"]
+        ddA_cumsum = scan["ddA_cumsum"] + passing["ddA_cumsum"] + state["ddA_cumsum"]
+        cumsum = chunk_cumsum_backward(ddt_out, ddA_cumsum, inputs["dt"], inputs["A"],
+                                       self.chunk_size, get("dt_bias"), self.dt_softplus,
+                                       self.dt_limit)
+        out = {"dprev_states": scan["dprev_states"], "dstates": passing["dstates"],
+               "ddt_out": ddt_out, "ddA_cumsum": ddA_cumsum,
+               "dx": scan["dx"] + state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"],
+               "dB": scan["dB"] + state["dB"], "dC": scan["dC"], "dD": scan.get("dD"),
+               "dz": scan.get("dz"), "ddt_bias": cumsum.get("ddt_bias"),
+               "dinitial_states": passing.get("dinitial_states")}
+        return {k: v for k, v in out.items() if v is not None}
 
     def __str__(self):
         b, l, h, p, n, g = self.dims

@@ -577,6 +577,54 @@ def _chunk_last_positions(l, q):
     return np.minimum((np.arange(c) + 1) * q, l) - 1
 
 
+def _state_keep(seq, l, q):
+    """Positions chunk_state keeps: those of the sequence still running at the chunk's end.
+
+    Args:
+        seq: (b, l) integer seq_idx. l, q: seqlen and chunk size.
+    Returns:
+        (b, c, q) bool: seq_idx[s] == seq_idx at the chunk's last valid position.
+    """
+    seq_c = _chunk(seq, q, pad_mode="edge")  # (b, c, q)
+    seq_last = seq[:, _chunk_last_positions(l, q)]  # (b, c)
+    return seq_c == seq_last[:, :, None]
+
+
+def _chunk_carry(seq, l, q):
+    """Chunks that continue the sequence the chunk before ended with (a virtual 0 before 0).
+
+    Args:
+        seq: (b, l) integer seq_idx. l, q: seqlen and chunk size.
+    Returns:
+        (b, c) bool; where False, state_passing drops the carried state.
+    """
+    seq_last = seq[:, _chunk_last_positions(l, q)]  # (b, c)
+    seq_before = np.concatenate([np.zeros((seq.shape[0], 1), np.int64), seq_last[:, :-1]],
+                                axis=1)
+    return seq_last == seq_before
+
+
+def _scan_masks(seq, q):
+    """chunk_scan's masks: the pairs its diagonal block keeps, the positions that read the
+    entering state.
+
+    Args:
+        seq: (b, l) integer seq_idx, or None. q: chunk size.
+    Returns:
+        allowed: (q, q) causal mask s <= t, or (b, 1, c, t, s) with same-sequence pairs only.
+        enters: None, or (b, c, q) bool: seq_idx[t] == seq_idx[chunk_start - 1] (a virtual
+            0 for chunk 0).
+    """
+    causal = np.tril(np.ones((q, q), dtype=bool))  # (t, s): s <= t
+    if seq is None:
+        return causal, None
+    seq_c = _chunk(seq, q, pad_mode="edge")  # (b, c, q)
+    same = seq_c[:, :, :, None] == seq_c[:, :, None, :]  # (b, c, t, s)
+    # seq_idx just before each chunk: position ci*q - 1, a virtual 0 for chunk 0.
+    before = np.concatenate([np.zeros((seq.shape[0], 1), np.int64), seq_c[:, :-1, -1]], axis=1)
+    return causal & same[:, None], seq_c == before[:, :, None]
+
+
 def chunk_cumsum(dt, A, chunk_size, dt_bias=None, dt_softplus=False, dt_limit=(0.0, INF)):
     """Stage 1: the step sizes dt' and the cumulative log-decay within each chunk.
 
@@ -635,11 +683,8 @@ def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None):
 
     # 2. keep only positions of the sequence that is still running at the chunk's end.
     if "seq_idx" in arrays:
-        seq = arrays["seq_idx"]
-        seq_c = _chunk(seq, q, pad_mode="edge")  # (b, c, q)
-        seq_last = seq[:, _chunk_last_positions(l, q)]  # (b, c)
-        same = seq_c == seq_last[:, :, None]  # (b, c, q)
-        weight = np.where(same[:, None], weight, 0.0)
+        keep = _state_keep(arrays["seq_idx"], l, q)  # (b, c, q)
+        weight = np.where(keep[:, None], weight, 0.0)
 
     # 3. sum of the weighted writes x_s B_s^T over the chunk.
     return np.einsum("bhcs,bcshp,bcshn->bchpn", weight, x_c, B_c, optimize=True)
@@ -676,9 +721,7 @@ def state_passing(states, dA_cumsum, initial_states=None, seq_idx=None, chunk_si
 
     # 2. does chunk ci continue the sequence that chunk ci-1 ended with?
     if "seq_idx" in arrays:
-        seq_last = arrays["seq_idx"][:, _chunk_last_positions(dims["l"], q)]  # (b, c)
-        seq_before = np.concatenate([np.zeros((b, 1), np.int64), seq_last[:, :-1]], axis=1)
-        carry = seq_last == seq_before  # (b, c)
+        carry = _chunk_carry(arrays["seq_idx"], dims["l"], q)  # (b, c)
         chunk_decay = np.where(carry[:, None, :], chunk_decay, 0.0)
 
     # 3. the scan over chunks.
@@ -716,17 +759,8 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     x_c = _chunk(x, q)  # (b, c, q, h, p)
     B_c = _heads(_chunk(arrays["B"], q), h)  # (b, c, q, h, n)
     C_c = _heads(_chunk(arrays["C"], q), h)  # (b, c, q, h, n)
-    causal = np.tril(np.ones((q, q), dtype=bool))  # (t, s): s <= t
-    allowed = causal  # (t, s), or (b, 1, c, t, s) with seq_idx
-    enters = None
-    if "seq_idx" in arrays:
-        seq = arrays["seq_idx"]
-        seq_c = _chunk(seq, q, pad_mode="edge")  # (b, c, q)
-        same = seq_c[:, :, :, None] == seq_c[:, :, None, :]  # (b, c, t, s)
-        allowed = causal & same[:, None]  # (b, 1, c, t, s)
-        # seq_idx just before each chunk: position ci*q - 1, a virtual 0 for chunk 0.
-        before = np.concatenate([np.zeros((b, 1), np.int64), seq_c[:, :-1, -1]], axis=1)
-        enters = seq_c == before[:, :, None]  # (b, c, q)
+    # (t, s) or (b, 1, c, t, s) pairs kept; None or (b, c, q) positions reading the state
+    allowed, enters = _scan_masks(arrays.get("seq_idx"), q)
 
     # 1. diagonal blocks: causal attention inside each chunk with a decay mask.
     #    The exponent dA_cs[t] - dA_cs[s] is <= 0 for s <= t but >= 0 above the

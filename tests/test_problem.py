@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from ssd import reference as R
-from ssd.problem import EDGE_SHAPES, MODEL_SHAPES, REFERENCE_KEYS, ProblemSpec, random_spec
+from ssd.problem import (BACKWARD_KEYS, EDGE_SHAPES, MODEL_SHAPES, REFERENCE_KEYS, ProblemSpec,
+                         random_spec)
+from ssd.reference_backward import ssd_chunked_backward
 
 REQUIRED_EDGE_NAMES = {
     "single-chunk", "three-chunks", "l-not-multiple", "l-less-than-q", "ngroups-gt-1",
@@ -71,6 +73,39 @@ def test_make_inputs_and_reference_shapes(name):
     y, f = R.ssd_chunked(**inputs, **spec.options, return_final_states=True)
     np.testing.assert_array_equal(ref["y"], y)
     np.testing.assert_array_equal(ref["final_states"], f)
+
+
+@pytest.mark.parametrize("name", list(EDGE_SHAPES))
+def test_reference_backward_keys_and_shapes(name):
+    spec = EDGE_SHAPES[name]
+    inputs, grads = spec.make_inputs(seed=0), spec.make_output_grads(seed=0)
+    shapes, ref_shapes = expected_shapes(spec)
+    assert {k: v.shape for k, v in grads.items()} == {"dy": ref_shapes["y"],
+                                                      "dfinal_states": ref_shapes["final_states"]}
+    dref = spec.reference_backward(inputs, grads)
+    has = {"dD": "D", "dz": "z", "ddt_bias": "dt_bias", "dinitial_states": "initial_states"}
+    assert tuple(dref) == tuple(k for k in BACKWARD_KEYS if k not in has or has[k] in inputs)
+    want = {"dprev_states": ref_shapes["prev_states"], "dstates": ref_shapes["states"],
+            "ddt_out": ref_shapes["dt_out"], "ddA_cumsum": ref_shapes["dA_cumsum"],
+            **{"d" + k: v for k, v in shapes.items() if k != "seq_idx"}}
+    assert {k: v.shape for k, v in dref.items()} == want
+    assert all(v.dtype == np.float64 and np.isfinite(v).all() for v in dref.values())
+    # the input gradients agree with the one-call chunked backward
+    whole = ssd_chunked_backward(grads["dy"], **inputs, **spec.options,
+                                 dfinal_states=grads["dfinal_states"])
+    assert whole.keys() <= dref.keys()
+    for k, v in whole.items():
+        np.testing.assert_array_equal(dref[k], v, err_msg=k)
+
+
+def test_make_output_grads_is_seeded_and_leaves_inputs_alone():
+    spec = EDGE_SHAPES["all-features"]
+    a, b, c = spec.make_output_grads(0), spec.make_output_grads(0), spec.make_output_grads(1)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+        assert not np.array_equal(a[k], c[k]), k
+    assert not np.array_equal(a["dy"], spec.make_inputs(0)["x"])  # streams of their own
+    assert all(v.dtype == np.float16 for v in spec.make_output_grads(0, np.float16).values())
 
 
 def test_make_inputs_is_seeded_and_streams_are_independent():
