@@ -246,3 +246,30 @@ def test_varlen_adds_one_launch_and_leaves_the_forward_as_it_was():
         assert last.grid[:2] == (3, H) and last.args[-1] is (config.state.groups > 1)
         assert r["varlen_states"].shape == (3, H, P, N)
         assert r["varlen_states"].dtype == torch.float32
+
+
+def test_varlen_check_takes_stored_states_rounding_and_catches_a_dropped_state():
+    """``ssd.validate.check_varlen_states``, the GPU tests' check: states formed from entering
+    states rounded to bf16 (as stage 2 stores them) pass it; leaving the initial state out of a
+    first sequence that ends inside the first chunk (what mamba_ssm's chunk_state_varlen does)
+    fails it, naming that sequence."""
+    from ssd.validate import check_varlen_states
+
+    spec = ProblemSpec(1, 200, 4, 16, 16, 1, chunk_size=64, dt_bias=True, dt_softplus=True,
+                       initial_states=True, seq_boundaries=(30, 100, 101, 190))
+    inputs = spec.make_inputs(seed=2)
+    ref = spec.reference(inputs)
+
+    def varlen(prev_states):
+        return R.chunk_state_varlen(inputs["B"], inputs["x"], ref["dt_out"], ref["dA_cumsum"],
+                                    prev_states, spec.cu_seqlens(), inputs["seq_idx"])
+
+    want = varlen(ref["prev_states"])
+    stored = torch.from_numpy(ref["prev_states"]).to(torch.bfloat16).double().numpy()
+    check = check_varlen_states(spec, varlen(stored), want, ref, "bfloat16", "bfloat16")
+    assert check.ok, check.failure()
+    without_h0 = ref["prev_states"].copy()
+    without_h0[:, 0] = 0.0  # only the first sequence reads chunk 0's entering state
+    check = check_varlen_states(spec, varlen(without_h0), want, ref, "bfloat16", "bfloat16")
+    assert not check.elem.ok and check.elem.tile[0] == 0, check.failure()
+    assert check.failure().startswith("varlen_states")
