@@ -78,9 +78,10 @@ def check_forward(spec, dtype, config, seed):
     outputs["varlen_states"] = torch.full(want.shape, float("nan"), device="cuda")
     cu = torch.from_numpy(spec.cu_seqlens()).cuda()
     r = forward_stages(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"],
-                       spec.chunk_size, D=inputs["D"], dt_bias=inputs["dt_bias"],
-                       initial_states=inputs["initial_states"], seq_idx=inputs["seq_idx"],
-                       dt_softplus=True, config=config, outputs=outputs, cu_seqlens=cu)
+                       spec.chunk_size, D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
+                       initial_states=inputs.get("initial_states"), seq_idx=inputs["seq_idx"],
+                       dt_softplus=spec.dt_softplus, config=config, outputs=outputs,
+                       cu_seqlens=cu)
     torch.cuda.synchronize()
     assert r["varlen_states"] is outputs["varlen_states"]
     checks = [check_varlen_states(spec, r["varlen_states"], want, ref, dtype, state_dtype),
@@ -121,8 +122,9 @@ def _api(spec, inputs, **kw):
 
     return ssd.mamba_chunk_scan_combined(
         inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], spec.chunk_size,
-        D=inputs["D"], dt_bias=inputs["dt_bias"], initial_states=inputs["initial_states"],
-        seq_idx=inputs["seq_idx"], dt_softplus=True, **kw)
+        D=inputs.get("D"), dt_bias=inputs.get("dt_bias"),
+        initial_states=inputs.get("initial_states"), seq_idx=inputs["seq_idx"],
+        dt_softplus=spec.dt_softplus, **kw)
 
 
 @pytest.mark.parametrize("dtype,q", [("bfloat16", 256), ("float32", 64)])
@@ -163,7 +165,7 @@ def test_api_rejects_bad_cu_seqlens_on_gpu():
     with pytest.raises(ValueError, match="^cu_seqlens: must be strictly increasing"):
         _api(spec, inputs, cu_seqlens=swapped, return_varlen_states=True, check_values=True)
     with pytest.raises(ValueError, match="^cu_seqlens: the last offset must be"):
-        _api(spec, inputs, cu_seqlens=torch.cat([cu[:-1], cu[-1:] - 1]), return_varlen_states=True,
+        _api(spec, inputs, cu_seqlens=torch.cat([cu[:-1], cu[-1:] + 1]), return_varlen_states=True,
              check_values=True)
     with pytest.raises(ValueError, match="^cu_seqlens: needs seq_idx"):
         _api(spec, {**inputs, "seq_idx": None}, cu_seqlens=cu, return_varlen_states=True)
