@@ -10,8 +10,13 @@ three in one kernel (:mod:`ssd.kernels.fused_scan`)::
 
     chunk_cumsum  ->  chunk_state + state_passing + chunk_scan
 
+Packed prompts (mamba_ssm's varlen interface): ``seq_idx`` resets the state where each
+sequence starts; with ``cu_seqlens`` and ``return_varlen_states`` a fourth kernel
+(:mod:`ssd.kernels.chunk_state_varlen`) also gives each sequence's final state, from the chunk
+where it ends and the state stage 2 stored for that chunk.
+
 Value checks that would need the GPU to report back (A <= 0, finite inputs, seq_idx
-non-decreasing) would force a device synchronisation and break CUDA-graph capture, so they run
+non-decreasing, cu_seqlens' offsets) would force a device synchronisation and break CUDA-graph capture, so they run
 only with ``check_values=True``. Inputs may be non-contiguous (kernels take strides); a tensor
 whose last dimension is strided is copied once to make it contiguous.
 """
@@ -24,10 +29,11 @@ import torch
 from .kernels import chunk_cumsum as _cumsum
 from .kernels import chunk_scan as _scan
 from .kernels import chunk_state as _state
+from .kernels import chunk_state_varlen as _varlen
 from .kernels import fused_scan as _fused_scan
 from .kernels import state_passing as _passing
 from .config import SSDConfig, default_config
-from .reference import check_shapes
+from .reference import check_cu_seqlens, check_shapes, check_varlen_shapes
 
 STAGES = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -55,8 +61,12 @@ def _last_dim_contiguous(t):
 
 
 def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-             seq_idx=None, dt_limit=(0.0, math.inf), check_values=False) -> dict:
+             seq_idx=None, dt_limit=(0.0, math.inf), check_values=False, cu_seqlens=None,
+             return_varlen_states=False) -> dict:
     """Check every argument of the forward; return the sizes (b, l, h, p, n, g, c, q).
+
+    cu_seqlens is checked only with return_varlen_states, the one call that reads it (as in
+    mamba_ssm, which ignores it otherwise).
 
     Raises TypeError / ValueError / NotImplementedError whose message starts with the
     argument's name.
@@ -69,6 +79,11 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
         _check_tensor(name, t, x.device, optional=opt)
     _check_tensor("x", x, x.device)
     _check_tensor("seq_idx", seq_idx, x.device, dtypes=(torch.int32, torch.int64), optional=True)
+    if return_varlen_states:
+        if cu_seqlens is None:
+            raise ValueError("return_varlen_states: needs cu_seqlens, the (num_sequences + 1,) "
+                             "offsets of the packed sequences")
+        _check_tensor("cu_seqlens", cu_seqlens, x.device, dtypes=(torch.int32, torch.int64))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: the cuTile kernels take a power of two in {CHUNK_SIZES} "
                          f"(one chunk is one tile), got {chunk_size!r}")
@@ -77,6 +92,8 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
         for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
                         ("dt_bias", dt_bias), ("initial_states", initial_states),
                         ("seq_idx", seq_idx))})
+    if return_varlen_states:
+        check_varlen_shapes(tuple(cu_seqlens.shape), dims, seq_idx is not None)
     if dims["n"] > MAX_DSTATE:
         raise ValueError(f"B: dstate n={dims['n']} is larger than the {MAX_DSTATE} the kernels "
                          "keep on chip")
@@ -103,6 +120,8 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                 raise ValueError(f"{name}: contains NaN or inf")
         if seq_idx is not None and ((seq_idx[:, 1:] < seq_idx[:, :-1]).any() or (seq_idx < 0).any()):
             raise ValueError("seq_idx: must be >= 0 and non-decreasing along the sequence")
+        if return_varlen_states:  # offsets from 0 to l, rising, where seq_idx changes
+            check_cu_seqlens(cu_seqlens.cpu().numpy(), dims["l"], seq_idx.cpu().numpy())
     # The device last, so that every other error reads the same on any machine (and is tested
     # on the CPU).
     if x.device.type != "cuda":
@@ -144,11 +163,13 @@ def takes_fused_scan(config: SSDConfig, seq_idx) -> bool:
 def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                    initial_states=None, seq_idx=None, dt_softplus=False,
                    dt_limit=(0.0, math.inf), config: SSDConfig | None = None,
-                   outputs: dict | None = None) -> dict:
+                   outputs: dict | None = None, cu_seqlens=None) -> dict:
     """Run the stages and return every intermediate, named as in ``ssd.reference``.
 
     Args:
         (as :func:`mamba_chunk_scan_combined`), plus
+        cu_seqlens: optional (num_sequences + 1,) int offsets of the sequences packed along a
+            batch of one row (with seq_idx): then also varlen_states, each one's final state.
         config: tile sizes and layout choices; None picks :func:`ssd.config.default_config`.
         outputs: optional preallocated tensors keyed like the result (tests fill them with NaN
             so that an element a kernel fails to write is caught).
@@ -158,7 +179,8 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         (:func:`takes_fused_scan`), which stores no entering state: states (b, c, h, p, n) fp32 (split
         stage 2 only); prev_states (b, c, h, p, n), with ``StateConfig.groups > 1`` from each
         group's start, then also chunk_decay (b, h, c, DECAY_ROW) fp32 and group_enter (b, G, h, p, n)
-        (:class:`ssd.kernels.state_passing.Groups`).
+        (:class:`ssd.kernels.state_passing.Groups`); with cu_seqlens, varlen_states
+        (num_sequences, h, p, n) fp32.
     """
     config = resolve_config(config, chunk_size, x, B)
     out = outputs or {}
@@ -203,6 +225,11 @@ def forward_stages(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     r["y"] = _scan.chunk_scan(B, C, x, r["dt_out"], r["dA_cumsum"], r["prev_states"], D=D, z=z,
                               seq_idx=seq_idx, seq_last=seq_last, config=config.scan,
                               out=out.get("y"), groups=stage2.groups)
+    if cu_seqlens is not None:
+        r["varlen_states"] = _varlen.chunk_state_varlen(
+            B, x, r["dt_out"], r["dA_cumsum"], r["prev_states"],
+            cu_seqlens.to(torch.int32).contiguous(), seq_idx, seq_last, config=config.state,
+            out=out.get("varlen_states"), groups=stage2.groups)
     return r
 
 
@@ -211,8 +238,9 @@ def _pair(out, a, b):
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                              initial_states=None, seq_idx=None, dt_softplus=False,
-                              dt_limit=(0.0, float("inf")), return_final_states=False, *,
+                              initial_states=None, seq_idx=None, cu_seqlens=None,
+                              dt_softplus=False, dt_limit=(0.0, float("inf")),
+                              return_final_states=False, return_varlen_states=False, *,
                               config: SSDConfig | None = None, check_values: bool = False):
     """Mamba-2 SSD forward with mamba_ssm's signature, shapes, dtypes and semantics.
 
@@ -223,21 +251,37 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         D: optional (h,) or (h, p) skip; z: optional (b, l, h, p) gate, y * silu(z).
         dt_bias: optional (h,); dt_softplus: softplus(dt + dt_bias); dt_limit: clamp (lo, hi).
         initial_states: optional (b, h, p, n); seq_idx: optional (b, l) int, packed sequences.
+        cu_seqlens: (num_sequences + 1,) int32 or int64 on x's device, read only with
+            return_varlen_states (as mamba_ssm): the offsets of the sequences packed along a
+            batch of one row, 0 first, l last, strictly increasing, with seq_idx given and
+            changing exactly at them.
         return_final_states: also return the (b, h, p, n) fp32 state after the last token.
+        return_varlen_states: also return each packed sequence's state after its last token,
+            (num_sequences, h, p, n) fp32 (mamba_ssm returns them in its stored states'
+            dtype). The initial state enters the first sequence's where seq_idx[0, 0] == 0,
+            as it does y; mamba_ssm leaves it out when that sequence ends in the first chunk.
         config: tile/layout choices (default per GPU architecture).
-        check_values: also check A <= 0, finite inputs and seq_idx order (synchronises).
+        check_values: also check A <= 0, finite inputs, seq_idx order and cu_seqlens' offsets
+            (synchronises).
     Returns:
-        y (b, l, h, p) in x's dtype, or (y, final_states) with return_final_states.
+        y (b, l, h, p) in x's dtype, or (y, final_states) with return_final_states; with
+        return_varlen_states, varlen_states comes last: (y, varlen_states) or (y,
+        final_states, varlen_states), mamba_ssm's order.
 
     The first call for a new shape or configuration compiles its kernels (seconds). chunk_scan's
     tuned build then compiles in a child process while a quick build computes the same values
     (:mod:`ssd.launch`); call :func:`ssd.wait_tuned` before timing this function.
     """
     validate(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-             seq_idx=seq_idx, dt_limit=dt_limit, check_values=check_values)
+             seq_idx=seq_idx, dt_limit=dt_limit, check_values=check_values,
+             cu_seqlens=cu_seqlens, return_varlen_states=return_varlen_states)
     r = forward_stages(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
-                       dt_limit=dt_limit, config=config)
+                       dt_limit=dt_limit, config=config,
+                       cu_seqlens=cu_seqlens if return_varlen_states else None)
+    if return_varlen_states:
+        return ((r["y"], r["final_states"], r["varlen_states"]) if return_final_states
+                else (r["y"], r["varlen_states"]))
     return (r["y"], r["final_states"]) if return_final_states else r["y"]
 
 

@@ -198,6 +198,17 @@ class ProblemSpec:
                          if r else np.zeros(self.seqlen, np.int64) for r in rows]
                         ).astype(np.int32)
 
+    def cu_seqlens(self):
+        """(num_sequences + 1,) int32 offsets of the packed sequences of a batch of one row
+        (mamba_ssm's cu_seqlens): 0, the boundaries after position 0, then l. Agrees with
+        :meth:`seq_idx` (an unpacked spec is one sequence)."""
+        if self.batch != 1:
+            raise ValueError(f"cu_seqlens: packs sequences along one batch row, but this spec "
+                             f"has batch {self.batch}")
+        row = self.seq_boundaries
+        row = row[0] if row and isinstance(row[0], tuple) else row
+        return np.array([0, *(t for t in row if t > 0), self.seqlen], dtype=np.int32)
+
     def replace(self, **changes) -> "ProblemSpec":
         """A copy with some fields changed (dataclasses.replace)."""
         return dataclasses.replace(self, **changes)

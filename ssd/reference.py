@@ -47,6 +47,14 @@ Semantics (= mamba_ssm ``mamba_chunk_scan_combined``, forward only)
   behaviour, on which the two agree: mamba_ssm also takes negative ids, as padding, and
   its chunk_state leaves tokens whose id is negative out of every chunk's state; the
   reference rejects negative ids rather than define what they do.
+* cu_seqlens (num_sequences + 1,) integer, with return_varlen_states (mamba_ssm's varlen
+  interface): the offsets of the sequences packed along a batch of one row, 0 first and l
+  last, strictly increasing, and seq_idx alongside changing exactly at them. The extra output
+  varlen_states (num_sequences, h, p, n) holds h_t at each sequence's last token
+  t = cu_seqlens[i + 1] - 1, the initial state included in the first sequence's where
+  seq_idx[0, 0] == 0 (as in y and final_states). mamba_ssm's chunk_state_varlen leaves the
+  initial state out of it when the first sequence ends inside the first chunk; the
+  recurrence, and this reference, do not.
 
 Log units: ``dA_cumsum`` is in natural-log units (exp, not exp2). A kernel that works
 in log2 units scales by log2(e) itself; the reference keeps the paper's convention.
@@ -75,6 +83,9 @@ __all__ = [
     "chunk_state",
     "state_passing",
     "chunk_scan",
+    "check_varlen_shapes",
+    "check_cu_seqlens",
+    "chunk_state_varlen",
     "ssd_chunked",
 ]
 
@@ -333,6 +344,69 @@ def check_inputs(
     if dt_limit is not None:
         _check_dt_limit(dt_limit)
     return arrays, dims
+
+
+def check_varlen_shapes(cu_seqlens_shape, dims, seq_idx_given):
+    """The rules on cu_seqlens that shapes decide (shared with ``ssd.api.validate``).
+
+    Args:
+        cu_seqlens_shape: the shape tuple of cu_seqlens.
+        dims: the sizes ``check_shapes`` returned for the other arguments (b from x).
+        seq_idx_given: whether seq_idx was passed.
+    Raises:
+        ValueError naming cu_seqlens: not (num_sequences + 1,) with at least one sequence,
+        a batch other than 1 (the sequences are packed along one row), or no seq_idx (it is
+        what resets the state where each sequence starts; cu_seqlens only says where each
+        one ends).
+    """
+    shape = tuple(int(s) for s in cu_seqlens_shape)
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"cu_seqlens: expected shape (num_sequences + 1,) with at least one "
+                         f"sequence, got {shape}")
+    if dims.get("b", 1) != 1:
+        raise ValueError(f"cu_seqlens: packs the sequences along one batch row, so x's batch "
+                         f"must be 1, got b={dims['b']}")
+    if not seq_idx_given:
+        raise ValueError("cu_seqlens: needs seq_idx (1, l) alongside, the sequence of each "
+                         "position, which resets the state where a sequence starts")
+
+
+def check_cu_seqlens(cu_seqlens, seqlen, seq_idx=None):
+    """The rules on the values of cu_seqlens (and its agreement with seq_idx).
+
+    Args:
+        cu_seqlens: (num_sequences + 1,) integer array.
+        seqlen: l.
+        seq_idx: optional (1, l) or (l,) integer array.
+    Returns:
+        cu_seqlens as an int64 array.
+    Raises:
+        TypeError naming cu_seqlens for a non-integer dtype; ValueError naming cu_seqlens
+        unless it starts at 0, rises strictly (every sequence has a token) and ends at l, and
+        unless seq_idx changes exactly at the offsets in between.
+    """
+    cu = _as_array("cu_seqlens", cu_seqlens, integer=True)
+    if cu.ndim != 1 or cu.size < 2:
+        raise ValueError(f"cu_seqlens: expected shape (num_sequences + 1,) with at least one "
+                         f"sequence, got {cu.shape}")
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens: must start at 0, got cu_seqlens[0] = {cu[0]}")
+    steps = np.diff(cu)
+    if (steps <= 0).any():
+        i = int(np.argmax(steps <= 0))
+        raise ValueError(f"cu_seqlens: must be strictly increasing (every sequence has at "
+                         f"least one token); cu_seqlens[{i + 1}] = {cu[i + 1]} <= "
+                         f"cu_seqlens[{i}] = {cu[i]}")
+    if cu[-1] != seqlen:
+        raise ValueError(f"cu_seqlens: the last offset must be the sequence length l = "
+                         f"{seqlen}, got cu_seqlens[-1] = {cu[-1]}")
+    if seq_idx is not None:
+        row = np.asarray(seq_idx).reshape(-1)
+        changes = np.flatnonzero(row[1:] != row[:-1]) + 1
+        if not np.array_equal(changes, cu[1:-1]):
+            raise ValueError(f"cu_seqlens: starts sequences at {cu[1:-1].tolist()}, but "
+                             f"seq_idx changes at {changes.tolist()}; the two must agree")
+    return cu
 
 
 # --------------------------------------------------------------------------------------
@@ -783,21 +857,81 @@ def chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=
     return _skip_and_gate(y, x, arrays.get("D"), arrays.get("z"))
 
 
+def chunk_state_varlen(B, x, dt_out, dA_cumsum, prev_states, cu_seqlens, seq_idx):
+    """The final state of every packed sequence, from the chunk where it ends alone.
+
+    For sequence i with last position e = cu_seqlens[i + 1] - 1 in chunk c = e // q, at
+    k = e - c q in it::
+
+        varlen_states[i] = exp(dA_cumsum[c, k]) prev_states[c]      (if it ran into chunk c)
+                         + sum_{s in c, s >= cu_seqlens[i], s <= e}
+                               exp(dA_cumsum[c, k] - dA_cumsum[c, s]) dt'_s x_s B_s^T
+
+    The entering state counts where the sequence is the one running before the chunk: where
+    seq_idx before the chunk (a virtual 0 before chunk 0, as in ``chunk_scan``) is its own.
+    prev_states[c] is then h_{cq-1} of that sequence (the initial state's part included, for a
+    first sequence of id 0); otherwise the sequence began inside the chunk.
+
+    Args:
+        B: (1, l, g, n). x: (1, l, h, p).
+        dt_out, dA_cumsum: (1, h, c, q) from ``chunk_cumsum``.
+        prev_states: (1, c, h, p, n) from ``state_passing``.
+        cu_seqlens: (num_sequences + 1,) integer offsets (see ``check_cu_seqlens``).
+        seq_idx: (1, l) integer, changing exactly at the offsets.
+    Returns:
+        varlen_states: (num_sequences, h, p, n) float64.
+    """
+    arrays, dims = check_inputs(x=x, B=B, dt_out=dt_out, dA_cumsum=dA_cumsum,
+                                prev_states=prev_states, seq_idx=seq_idx)
+    check_varlen_shapes(np.shape(cu_seqlens), dims, seq_idx is not None)
+    cu = check_cu_seqlens(cu_seqlens, dims["l"], arrays["seq_idx"])
+    h, p, n, q = dims["h"], dims["p"], dims["n"], dims["q"]
+    x, dt_out, dA_cs = arrays["x"][0], arrays["dt_out"][0], arrays["dA_cumsum"][0]
+    B_h = _heads(arrays["B"], h)[0]  # (l, h, n)
+    seq = arrays["seq_idx"][0]  # (l,)
+    prev = arrays["prev_states"][0]  # (c, h, p, n)
+    out = np.empty((len(cu) - 1, h, p, n))
+    for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+        last = end - 1
+        c, k = divmod(int(last), q)
+        # 1. the state entering chunk c, decayed to the last token, where the sequence ran
+        #    into the chunk (seq_idx just before it is its own; a virtual 0 before chunk 0).
+        before = seq[c * q - 1] if c > 0 else 0
+        runs_in = seq[last] == before
+        enter = np.exp(dA_cs[:, c, k])[:, None, None] * prev[c] if runs_in else 0.0  # (h, p, n)
+        # 2. the chunk's own writes, from the sequence's first token in the chunk to its last.
+        pos = np.arange(max(int(start), c * q), int(end))  # (m,) positions in l
+        j = pos - c * q  # (m,) positions in the chunk
+        weight = np.exp(dA_cs[:, c, k, None] - dA_cs[:, c, j]) * dt_out[:, c, j]  # (h, m), <= dt'
+        out[i] = enter + np.einsum("hm,mhp,mhn->hpn", weight, x[pos], B_h[pos], optimize=True)
+    return out
+
+
 def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                initial_states=None, seq_idx=None, dt_softplus=False, dt_limit=(0.0, INF),
-                return_final_states=False):
+                initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                dt_limit=(0.0, INF), return_final_states=False, return_varlen_states=False):
     """Rung 3: the chunked SSD algorithm = the four stages in order.
 
     Same arguments and return convention as mamba_ssm's ``mamba_chunk_scan_combined``
     (forward): y (b, l, h, p), or (y, final_states (b, h, p, n)) when
-    return_final_states. All float64. l need not be a multiple of chunk_size: the tail
-    chunk is zero-padded internally (dt' = 0 there) and the padded outputs are dropped.
+    return_final_states; with return_varlen_states also varlen_states (num_sequences, h,
+    p, n) last: (y, varlen_states) or (y, final_states, varlen_states). cu_seqlens is read
+    only then (as mamba_ssm), and needs a batch of 1 and seq_idx (see
+    ``check_varlen_shapes``, ``chunk_state_varlen``). All float64. l need not be a
+    multiple of chunk_size: the tail chunk is zero-padded internally (dt' = 0 there) and
+    the padded outputs are dropped.
     """
     _check_chunk_size(chunk_size)
-    check_inputs(
+    _, dims = check_inputs(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
         seq_idx=seq_idx, chunk_size=chunk_size, dt_limit=dt_limit,
     )  # validate everything up front, so errors name the caller's arguments
+    if return_varlen_states:
+        if cu_seqlens is None:
+            raise ValueError("return_varlen_states: needs cu_seqlens, the offsets of the "
+                             "packed sequences")
+        check_varlen_shapes(np.shape(cu_seqlens), dims, seq_idx is not None)
+        check_cu_seqlens(cu_seqlens, dims["l"], seq_idx)
     # 1. step sizes and the cumulative log-decay inside each chunk
     dt_out, dA_cumsum = chunk_cumsum(dt, A, chunk_size, dt_bias, dt_softplus, dt_limit)
     # 2. what each chunk writes into the state, on its own
@@ -807,4 +941,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                                               chunk_size)
     # 4. outputs: intra-chunk attention + inter-chunk state + D skip + z gate
     y = chunk_scan(B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
-    return (y, final_states) if return_final_states else y
+    out = (y, final_states) if return_final_states else (y,)
+    if return_varlen_states:
+        # 5. each packed sequence's final state, from the chunk where it ends
+        out += (chunk_state_varlen(B, x, dt_out, dA_cumsum, prev_states, cu_seqlens, seq_idx),)
+    return out if len(out) > 1 else y

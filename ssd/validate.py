@@ -82,7 +82,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -431,6 +431,23 @@ def check_outputs(spec: ProblemSpec, got: dict, ref: dict, dtype: str,
                                               bound_for(key, dtype, spec, ref, state_dtype),
                                               spec.chunk_size, gate if key == "y" else None))
             for key, out in got.items()}
+
+
+def check_varlen_states(spec: ProblemSpec, out, want: np.ndarray, ref: dict, dtype: str,
+                        state_dtype: str | None = None) -> StageCheck:
+    """Both criteria on each packed sequence's final state (the forward's varlen_states,
+    (num_sequences, h, p, n)) against ``want``, the reference's
+    (:func:`ssd.reference.chunk_state_varlen` on ``ref``'s intermediates).
+
+    One tile per (sequence, head), as final_states has one per (batch, head); the norm tolerance
+    of the dtype; the elementwise bound of prev_states (m = 1, K = q + c, and the rounding of
+    the stored state, ``state_dtype``): each is an entering state as stage 2 stored it, decayed,
+    plus one chunk's writes, in fp32."""
+    elem = check_elementwise("final_states", out, want,
+                             bound_for("prev_states", dtype, spec, ref, state_dtype),
+                             spec.chunk_size)
+    return StageCheck("varlen_states", rel_err(out, want), TOL[dtype],
+                      replace(elem, key="varlen_states"))
 
 
 # ------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ pytest.importorskip("cuda.tile")
 from ssd.tools import aot  # noqa: E402
 
 KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
-           "chunk_scan_kernel", "fused_scan_kernel"}
+           "chunk_scan_kernel", "fused_scan_kernel", "chunk_state_varlen_kernel"}
 
 
 # Every kernel of the forward (both feature sets, fused and split stage 2, the one kernel) for
@@ -206,6 +206,30 @@ def grouped_kernels():
     records = aot.capture_forward("bfloat16", "layer", True, chunk_size=64, config=config,
                                   dims=(b, 8 * 64, h, p, n, 1))
     return {r.kernel._pyfunc.__name__: r for r in records}
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_varlen_states_compile_after_a_grouped_walk(arch):
+    """Each packed sequence's final state where stage 2 walked its chunks in groups (the
+    default for a batch of one row on long prompts): chunk_state_varlen completes the entering
+    state from its group's, as chunk_scan does."""
+    from ssd.config import SSDConfig, StateConfig
+
+    config = SSDConfig(state=StateConfig(groups=2))
+    records = aot.capture_forward("bfloat16", "varlen", True, chunk_size=64, config=config,
+                                  dims=(1, 5 * 64 + 9, 8, 64, 128, 1))
+    (varlen,) = [r for r in records if r.kernel._pyfunc.__name__ == "chunk_state_varlen_kernel"]
+    assert varlen.args[-1] is True  # GROUPED
+    assert len(aot.export_cubin(varlen, arch)) > 1000
+
+
+def test_varlen_capture_packs_one_batch_row():
+    records = aot.capture_forward("bfloat16", "varlen", True, chunk_size=64)
+    assert [r.kernel._pyfunc.__name__ for r in records] == [
+        "chunk_cumsum_kernel", "state_passing_kernel", "chunk_scan_kernel",
+        "chunk_state_varlen_kernel"]
+    with pytest.raises(ValueError, match="^dims: varlen packs"):
+        aot.capture_forward("bfloat16", "varlen", True, dims=(2, 96, 8, 64, 128, 2))
 
 
 @pytest.mark.parametrize("arch", aot.ARCHS)

@@ -46,8 +46,10 @@ class Compiled:
     seconds: float
 
 
-# "unpacked": every optional input but seq_idx, all the one-kernel stages 2 and 3 take
-FEATURES = ("none", "layer", "all", "unpacked")
+# "unpacked": every optional input but seq_idx, all the one-kernel stages 2 and 3 take;
+# "varlen": every optional input on one batch row of packed sequences, with cu_seqlens (each
+# sequence's final state too, ssd.kernels.chunk_state_varlen)
+FEATURES = ("none", "layer", "all", "unpacked", "varlen")
 # capture_forward's default shape has a ragged last chunk; this one has full chunks of
 # FULL_CHUNK, which the walk takes in two K blocks: the case it unrolls (state_passing FULL).
 FULL_CHUNK = 128
@@ -59,10 +61,11 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
     """Run the forward's launchers on small CPU tensors and return the recorded launches.
 
     features: "none" (x, dt, A, B, C only), "layer" (plus D, dt_bias and softplus, as a Mamba-2
-    layer and the benchmark call it), "all" (every optional input) or "unpacked" (all but
-    seq_idx, which the one-kernel stages 2 and 3 do not take). The configuration is the
-    sm_90 default at ``chunk_size`` with ``fused`` overriding its stage 2, or ``config`` when
-    given. ``dims``
+    layer and the benchmark call it), "all" (every optional input), "unpacked" (all but
+    seq_idx, which the one-kernel stages 2 and 3 do not take) or "varlen" (all, on a batch of
+    one row: a one-token sequence, one across the first chunk border, one to the end, and
+    their final states from cu_seqlens). The configuration is the sm_90 default at
+    ``chunk_size`` with ``fused`` overriding its stage 2, or ``config`` when given. ``dims``
     (b, l, h, p, n, g) replaces the small default shape (a ragged last chunk, two groups).
     """
     import torch
@@ -74,18 +77,26 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
         raise ValueError(f"features: expected one of {FEATURES}, got {features!r}")
     t = getattr(torch, dtype)
     # Two heads per group at least, so chunk_scan's head block (block_h) is compiled as shipped.
-    b, l, h, p, n, g = dims or (2, chunk_size + chunk_size // 2, 8, 64, 128, 2)
+    b, l, h, p, n, g = dims or (2 if features != "varlen" else 1, chunk_size + chunk_size // 2,
+                                8, 64, 128, 2)
+    if features == "varlen" and b != 1:
+        raise ValueError(f"dims: varlen packs sequences along one batch row, got batch {b}")
     x = torch.randn(b, l, h, p, dtype=t)
     B, C = torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, g, n, dtype=t)
     dt, A = torch.rand(b, l, h, dtype=t), -torch.rand(h)
     extra = {}
-    if features in ("layer", "all"):
+    if features in ("layer", "all", "varlen"):
         extra = dict(D=torch.randn(h), dt_bias=torch.randn(h), dt_softplus=True)
-    if features in ("all", "unpacked"):
+    if features in ("all", "unpacked", "varlen"):
         extra.update(D=torch.randn(h, p), z=torch.randn(b, l, h, p, dtype=t),
                      initial_states=torch.randn(b, h, p, n), dt_limit=(0.001, 0.1))
     if features == "all":
         extra.update(seq_idx=torch.zeros(b, l, dtype=torch.int32))
+    if features == "varlen":
+        cu = torch.tensor(sorted({0, 1, min(chunk_size + 3, l - 1), l}), dtype=torch.int32)
+        ids = torch.arange(len(cu) - 1, dtype=torch.int32)
+        extra.update(seq_idx=torch.repeat_interleave(ids, cu.diff()).reshape(1, l),
+                     cu_seqlens=cu)
     if config is None:
         base = default_config((9, 0), chunk_size=chunk_size)
         config = SSDConfig(cumsum=base.cumsum, scan=base.scan,
@@ -110,6 +121,10 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
                     full = capture_forward(dtype, features, fused, FULL_CHUNK, dims=FULL_DIMS)
                     records += [r for r in full
                                 if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
+            if features == "all":  # each packed sequence's final state: its kernel alone
+                # (the others of that call are batch-of-one forms of the kernels above)
+                records += [r for r in capture_forward(dtype, "varlen", True)
+                            if r.kernel._pyfunc.__name__ == "chunk_state_varlen_kernel"]
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,
                                        True, 64, config=one_kernel)
