@@ -348,3 +348,68 @@ def test_value_checks_on_request(case):
         validate_step(**good(**over), check_values=True)
     with pytest.raises(ValueError, match="^x: must be a CUDA tensor"):  # off by default
         validate_step(**good(**over))
+
+
+# ---- the benchmark's pieces and its peer -------------------------------------------------
+
+
+def test_layer_inputs_are_the_layers_views():
+    """The benchmark's inputs are what mamba_ssm's Mamba-2 layer passes: per-head A, dt,
+    dt_bias and D as views expanded over the head dim (and the state), which the step accepts,
+    with dt' = softplus(dt + dt_bias) around Mamba-2's range."""
+    from ssd.tools.decode_bench import HEADS, layer_inputs
+
+    args = layer_inputs(HEADS["codestral-7b"], 4, state_dtype="bfloat16", device="cpu")
+    assert args["A"].shape == (128, 64, 128) and args["A"].stride()[1:] == (0, 0)
+    assert all(args[k].stride(-1) == 0 for k in ("dt", "D", "dt_bias"))
+    assert args["state"].dtype == torch.bfloat16 and args["B"].shape == (4, 8, 128)
+    dt = torch.nn.functional.softplus(args["dt"].float() + args["dt_bias"])
+    assert 1e-4 < dt.median() < 0.1
+    with pytest.raises(ValueError, match=r"^x: must be a CUDA tensor"):
+        validate_step(**args)
+
+
+def test_bench_traffic_speedups_and_table():
+    from ssd.tools import decode_bench as db
+
+    assert db.state_traffic((2, 80, 64, 128, 1), 4) == 2 * 2 * 80 * 64 * 128 * 4
+    rec = lambda impl, ms: dict(shape="2.7b", dims=[8, 80, 64, 128, 1], impl=impl,  # noqa: E731
+                                state_dtype="float32", median_ms=ms, state_bytes_per_s=3e12,
+                                copy_fraction=0.9)
+    payload = dict(records=[rec("ssd", 0.01), rec("mamba_ssm", 0.015)], failures=[],
+                   skipped={"tilegym": "not a peer here"}, ceilings=dict(copy_bytes_per_s=3.3e12))
+    assert db.speedups(payload["records"]) == {("2.7b", 8, "float32"): pytest.approx(1.5)}
+    text = db.table(payload)
+    assert "1.50x" in text and "90.0%" in text and "skipped tilegym" in text
+
+
+@pytest.mark.parametrize("argv", [["--shapes", "7b"], ["--block-p", "3"], ["--impl", "tilegym"]])
+def test_bench_rejects_bad_arguments(argv):
+    from ssd.tools import decode_bench
+
+    with pytest.raises(SystemExit):
+        decode_bench.main(argv)
+
+
+def test_mamba_ssm_decode_step_loads_without_its_cuda_extension(tmp_path, monkeypatch):
+    """mamba_ssm's package __init__ imports its CUDA extension; where that is missing, the peer
+    loader imports the Triton submodule alone (ssd.tools.peers)."""
+    import sys
+
+    from ssd.tools import peers
+
+    triton = tmp_path / "mamba_ssm" / "ops" / "triton"
+    triton.mkdir(parents=True)
+    (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda_missing\n")
+    (tmp_path / "mamba_ssm" / "ops" / "__init__.py").write_text("")
+    (triton / "__init__.py").write_text("")
+    (triton / "selective_state_update.py").write_text(
+        "def selective_state_update(*args, **kwargs):\n    return 'theirs'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        assert peers.mamba_ssm_state_update()() == "theirs"
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+            del sys.modules[name]
