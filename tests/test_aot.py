@@ -497,7 +497,27 @@ def test_decode_step_default_fits_its_occupancy_hint(dims, state_dtype):
     from ssd.config import StateUpdateConfig
 
     hint = StateUpdateConfig().occupancy
-    (record,) = aot.capture_decode("bfloat16", "layer", state_dtype, dims=dims)
+    (record,) = aot.capture_decode("bfloat16", "layer", state_dtype, dims=dims, sms=132)
     use = aot.resource_usage(aot.export_cubin(record, "sm_90"))
     assert use["stack_bytes"] == 0 and use["registers"] * 256 * hint <= 64 * 1024
     assert hint * (use["shared_bytes"] + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("features, widths", [("none", (1, 1, 1, 1, 1)), ("layer", (1, 1, 1, 1, 1)),
+                                              ("all", (32, 32, 32, 32, 128))])
+def test_decode_step_reads_a_per_head_value_once_a_block(features, widths):
+    """A per-head dt, dt_bias, D or A reaches the kernel with extent 1 along what it is
+    constant over, whether passed compact or as the layer's expanded views (stride 0), so the
+    block loads one value and computes one decay; per-channel ones keep their width. The
+    widths (DT_W, BIAS_W, D_W, A_WP, A_WN) at a 32-channel slice of a bf16 state."""
+    import inspect
+
+    from ssd.config import StateUpdateConfig
+
+    (record,) = aot.capture_decode("bfloat16", features, "bfloat16",
+                                   config=StateUpdateConfig(block_p=32))
+    args = dict(zip(inspect.signature(record.kernel._pyfunc).parameters, record.args))
+    assert args["BLOCK_P"] == 32
+    assert tuple(args[k] for k in ("DT_W", "BIAS_W", "D_W", "A_WP", "A_WN")) == widths
+    if features == "layer":
+        assert args["dt"].shape[-1] == args["D"].shape[-1] == 1 and args["A"].shape[1:] == (1, 1)

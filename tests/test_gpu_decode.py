@@ -30,13 +30,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ssd import reference as R  # noqa: E402
+from ssd.tools.decode_bench import BATCHES, HEADS  # noqa: E402  (the model shapes it times)
 from ssd.validate import STEP_TOL, check_step, host_inputs, rel_err, step_bounds  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# (nheads, headdim, dstate, ngroups) of the two model shapes the issue names
-HEADS = {"2.7b": (80, 64, 128, 1), "codestral-7b": (128, 64, 128, 8)}
-BATCHES = (1, 8, 64, 256)
 DTYPES = ("float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16")
 SAMPLE = 16  # batch entries checked against the reference
@@ -85,13 +83,14 @@ def draw(case: Case, seed: int) -> dict:
         dt, bias = step(b, h, *per), 0.01 * torch.rand(h, *per, generator=gen, device=DEVICE)
     A = -torch.exp(uniform(0, math.log(16), h, *per, *((n,) if channel else ())))
     D = None if case.D is None else randn(h, *((p,) if case.D == "hp" or channel else ()))
+    dt = dt.to(t)  # before any expand: a cast would make the view contiguous
     if case.form == "layer":  # views, as the layer passes them: strides 0 along p (and n)
         dt, bias, A = dt[..., None].expand(b, h, p), bias[:, None].expand(h, p), \
             A[:, None, None].expand(h, p, n)
         D = D if D is None or D.dim() == 2 else D[:, None].expand(h, p)
     rows = 2 * b + 3 if case.paged else b
     out = dict(state=randn(rows, h, p, n).to(getattr(torch, case.state_dtype)),
-               x=randn(b, h, p).to(t), dt=dt.to(t), A=A, B=randn(b, g, n).to(t),
+               x=randn(b, h, p).to(t), dt=dt, A=A, B=randn(b, g, n).to(t),
                C=randn(b, g, n).to(t), D=D, z=randn(b, h, p).to(t) if case.z else None,
                dt_bias=bias if case.bias else None)
     if case.paged:

@@ -117,17 +117,20 @@ def build_kernel(index_dtype=ct.int32, occupancy=None):
     return state_update_kernel
 
 
-def _per_head(t, full_ndim: int):
+def _per_head(t, lead: int, full_ndim: int):
     """``t`` as the kernel reads it: a per-head form (fewer dimensions than ``full_ndim``) gets
-    trailing axes of extent 1, and an axis along which a full-form view does not move (stride 0,
-    an ``expand``) is cut to extent 1, so the kernel loads one value instead of a row of copies.
-    Returns the view; the kernel's width constant of each trailing axis is its extent > 1."""
+    trailing axes of extent 1, and a trailing axis (past the ``lead`` batch and head axes) along
+    which a full-form view does not move (stride 0, an ``expand``) is cut to extent 1, so the
+    kernel loads one value instead of a row of copies. The kernel's width constant of each
+    trailing axis is then its extent > 1. An axis of extent 1 gets stride 1 (any stride reads
+    the same element): the compact and the expanded form then compile to one kernel, and no
+    array reaches cuTile with a stride of 0."""
     while t.dim() < full_ndim:
         t = t.unsqueeze(-1)
-    for axis in range(1, full_ndim):  # the leading axis (batch or head) always moves
+    for axis in range(lead, full_ndim):
         if t.stride(axis) == 0 and t.shape[axis] > 1:
             t = t.narrow(axis, 0, 1)
-    return t
+    return t.as_strided(t.shape, [1 if n == 1 else s for n, s in zip(t.shape, t.stride())])
 
 
 def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -156,10 +159,10 @@ def state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplu
     y = torch.empty_like(x) if out is None else out
     block_p = state_update_config(config, (b, h, p, n), state.element_size()).block_p
     n_pad = next_pow2(n)
-    dt_k = _per_head(dt, 3)
-    A_k = _per_head(A, 3)
-    bias_k = None if dt_bias is None else _per_head(dt_bias, 2)
-    D_k = None if D is None else _per_head(D, 2)
+    dt_k = _per_head(dt, 2, 3)  # (b, h, p or 1)
+    A_k = _per_head(A, 1, 3)  # (h, p or 1, n or 1)
+    bias_k = None if dt_bias is None else _per_head(dt_bias, 1, 2)  # (h, p or 1)
+    D_k = None if D is None else _per_head(D, 1, 2)
     width = lambda t, pad: 1 if t is None or t.shape[-1] == 1 else pad  # noqa: E731
     lo, hi = (-math.inf, math.inf) if dt_limit is None else (float(v) for v in dt_limit)
     kernel = build_kernel(index_dtype_for(state, x, z, y), config.occupancy)

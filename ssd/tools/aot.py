@@ -103,11 +103,12 @@ DECODE_DIMS = (2, 8, 64, 128, 2)  # (b, h, p, n, g)
 
 
 def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims=None,
-                   config=None):
+                   config=None, sms: int | None = None):
     """Run the decode step's launcher (:func:`ssd.kernels.state_update.state_update`) on small
     CPU tensors and return the recorded launch. ``features``: one of DECODE_FEATURES; inputs in
     ``dtype``, the state in ``state_dtype``; ``dims`` (b, h, p, n, g) replaces DECODE_DIMS;
-    ``config`` a StateUpdateConfig (default: the default's, as on a GPU of 132 SMs)."""
+    ``config`` a StateUpdateConfig (default: the default's on a GPU of ``sms`` SMs; None: the
+    slice of STATE_UPDATE_TILE_BYTES, not narrowed for a small grid)."""
     import torch
 
     from ..config import StateUpdateConfig, state_update_config
@@ -136,7 +137,7 @@ def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims
     state = torch.randn(rows, h, p, n, dtype=getattr(torch, state_dtype))
     if config is None:
         config = state_update_config(StateUpdateConfig(), (b, h, p, n), state.element_size(),
-                                     sms=132)
+                                     sms)
     with launch.capture() as records:
         state_update(state, x, dt, A, B, C, config=config, **extra)
     return records
