@@ -8,7 +8,7 @@ Three ways to compute the same thing, each checked against the one below it:
    kernels implement: ``chunk_cumsum`` -> ``chunk_state`` -> ``state_passing`` ->
    ``chunk_scan``.
 
-The recurrence's loop body, ``recurrence_step``, is also the decode step
+One step of the recurrence, ``recurrence_step``, is also the decode step
 (``selective_state_update``): one token advances a state held between calls, as a
 serving engine's generation loop does after the prefill.
 
@@ -381,8 +381,8 @@ def prepare_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, INF)):
         dt': (b, l, h) float64, >= 0.
     """
     arrays, _ = check_inputs(dt=dt, dt_bias=dt_bias, dt_limit=dt_limit)
-    return _step_size(arrays["dt"], arrays.get("dt_bias"), dt_softplus,
-                      _check_dt_limit(dt_limit))  # (b, l, h) + (h,)
+    return _step_size(arrays["dt"], arrays.get("dt_bias"), dt_softplus,  # (b, l, h) + (h,)
+                      _check_dt_limit(dt_limit))
 
 
 def _step_size(dt, dt_bias, dt_softplus, limits):
@@ -456,9 +456,10 @@ def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=
             new_seq = seq[:, t] != prev_seq  # (b,)
             state = np.where(new_seq[:, None, None, None], 0.0, state)
             prev_seq = seq[:, t]
-        # dt' and A per head: (b, h, 1) and (h, 1, 1) broadcast over p and n
-        state, y[:, t] = recurrence_step(state, x[:, t], dt[:, t, :, None], A[:, None, None],
-                                         Bh[:, t], Ch[:, t])
+        decay = np.exp(dt[:, t] * A)  # (b, h), in (0, 1]
+        write = np.einsum("bh,bhp,bhn->bhpn", dt[:, t], x[:, t], Bh[:, t])
+        state = decay[:, :, None, None] * state + write  # (b, h, p, n)
+        y[:, t] = np.einsum("bhpn,bhn->bhp", state, Ch[:, t])
         if states_out is not None:
             states_out[:, t] = state
     y = _skip_and_gate(y, x, arrays.get("D"), arrays.get("z"))
@@ -466,7 +467,9 @@ def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=
 
 
 def recurrence_step(state, x, dt, A, B, C):
-    """One step of the recurrence: the body of ``ssd_recurrence``'s loop and the decode step.
+    """One step of the recurrence, the step of ``ssd_recurrence``'s loop with dt' and A per
+    channel as well as per head: the decode step's arithmetic (tests/test_decode.py checks that
+    decoding a sequence with it gives ``ssd_recurrence``'s outputs and states).
 
         h_t = exp(dt' A) h_{t-1} + dt' x_t B_t^T      # (p, n) per head
         y_t = h_t C_t                                 # before the D skip and the z gate

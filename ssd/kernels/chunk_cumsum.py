@@ -17,7 +17,7 @@ import cuda.tile as ct
 
 from ..launch import array_type, index_dtype_for, launch, optional
 from ..config import CumsumConfig
-from .tiles import ConstInt, ConstBool, ZERO, softplus
+from .tiles import ConstInt, ConstBool, ZERO
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +51,15 @@ def build_kernel(index_dtype=ct.int32):
             bias = ct.load(dt_bias, index=(ih,), shape=(BLOCK_H,), padding_mode=ZERO)
             d = d + bias[None, :]
         if SOFTPLUS:
-            d = softplus(d)
+            # softplus(x) = log1p(e^x); above 20 it equals x to fp32 precision and e^x would
+            # only risk overflow, so pass x through there (the threshold mamba_ssm uses).
+            # There is no log1p tile op, and log(1 + e) loses e's low bits when e is small
+            # (typical dt' ~ 1e-3 would keep only ~4 significant digits). Goldberg's
+            # identity log1p(e) = log(u) * e / (u - 1), u = fl(1 + e), cancels that rounding.
+            e = ct.exp(ct.minimum(d, 20.0))
+            u = 1.0 + e
+            log1p = ct.where(u == 1.0, e, ct.log(u) * e / (u - 1.0))
+            d = ct.where(d <= 20.0, log1p, d)
         # Always clamp, as mamba_ssm does: the default (0, inf) maps a negative dt' to 0,
         # which keeps every decay exp(dt' * A) <= 1.
         d = ct.minimum(ct.maximum(d, dt_min), dt_max)

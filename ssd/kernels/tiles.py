@@ -18,7 +18,8 @@ DECAY_ROW = 8
 
 
 def softplus(d):
-    """Tile code: softplus(d) = log1p(e^d) where d <= 20, d above (fp32 tiles, any shape).
+    """Tile code: softplus(d) = log1p(e^d) where d <= 20, d above (fp32 tiles, any shape), as
+    chunk_cumsum computes it in its own body (chapter 05 lists that kernel and explains it there).
 
     Above 20 softplus equals d to fp32 precision and e^d would only risk overflow, so d passes
     through there (the threshold mamba_ssm uses). There is no log1p tile op, and log(1 + e)
