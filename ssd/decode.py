@@ -101,8 +101,8 @@ def validate_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
 
 
 def resolve_config(config: StateUpdateConfig | None, x, state) -> StateUpdateConfig:
-    """``config`` (None: the default, fitted to x's GPU) with ``block_p`` resolved for the
-    problem (:func:`ssd.config.state_update_config`). Args: x (b, h, p), state (., h, p, n)."""
+    """``config`` (None: the default) with ``block_p`` resolved for the problem on x's GPU
+    (:func:`ssd.config.state_update_config`). Args: x (b, h, p), state (., h, p, n)."""
     b, h, p = x.shape
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     return state_update_config(config or StateUpdateConfig(), (b, h, p, state.shape[-1]),

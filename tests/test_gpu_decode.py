@@ -30,13 +30,12 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from ssd import reference as R  # noqa: E402
-from ssd.tools.decode_bench import BATCHES, HEADS  # noqa: E402  (the model shapes it times)
+from ssd.tools.decode_bench import BATCHES, HEADS, STATE_DTYPES  # noqa: E402  (what it times)
 from ssd.validate import STEP_TOL, check_step, host_inputs, rel_err, step_bounds  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("float32", "bfloat16", "float16")
-STATE_DTYPES = ("float32", "bfloat16")
 SAMPLE = 16  # batch entries checked against the reference
 DEVICE = "cuda"
 RUN_SEED = int(os.environ.get("SSD_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
