@@ -167,6 +167,23 @@ class FusedScanConfig:
 
 
 @dataclass(frozen=True)
+class StateUpdateConfig:
+    """The decode step (:mod:`ssd.kernels.state_update`): one block per (batch entry, head,
+    ``block_p`` channels) holds that slice of the state with its whole width n, reads it once and
+    writes it once. ``block_p`` None: :func:`state_update_config` picks it per problem.
+    ``occupancy`` as in StateConfig; without it the compiler gives each block all of a SM's
+    registers (255 a thread), one resident block of a kernel that needs many in flight."""
+
+    block_p: int | None = None
+    occupancy: int | None = 4
+
+    def __post_init__(self):
+        if self.block_p is not None:
+            _check_pow2("block_p", self.block_p)
+        _check_hints(self)
+
+
+@dataclass(frozen=True)
 class SSDConfig:
     cumsum: CumsumConfig = field(default_factory=CumsumConfig)
     state: StateConfig = field(default_factory=StateConfig)
@@ -337,3 +354,34 @@ def fused_scan_fills(fused_scan: FusedScanConfig, problem: tuple[int, int, int, 
     slots = fused_scan.occupancy * sms
     waves = -(-b * h // slots)
     return waves <= FUSED_SCAN_MAX_WAVES and b * h >= FUSED_SCAN_MIN_FILL * waves * slots
+
+
+# The decode step moves each state once each way and does little else, so its time is the state
+# traffic over the bandwidth it reaches; that needs bytes in flight on every SM. A block's state
+# slice is STATE_UPDATE_TILE_BYTES (block_p channels of the whole width n), narrowed down to
+# STATE_UPDATE_MIN_BLOCK_P channels while the grid has fewer blocks than the occupancy hint's
+# resident slots. At the hint of 4 (64 registers a thread, 256 threads a block) the sm_90 builds
+# spill nothing and four blocks' staging fits a SM's shared memory (tests/test_aot.py).
+# [not yet timed: python -m ssd.tools.decode_bench --block-p 4,8,16,32,64 times the alternatives]
+STATE_UPDATE_TILE_BYTES = 8192
+STATE_UPDATE_MIN_BLOCK_P = 4
+
+
+def state_update_config(config: StateUpdateConfig, problem: tuple[int, int, int, int],
+                        state_bytes: int, sms: int | None = None) -> StateUpdateConfig:
+    """``config`` with ``block_p`` resolved for the decode step's (batch, heads, headdim, dstate)
+    ``problem`` and a state of ``state_bytes`` bytes an element: a given ``block_p`` clamped to
+    the head dim; None: the widest power of two whose slice fits STATE_UPDATE_TILE_BYTES, then,
+    given the GPU's ``sms``, halved while the grid (batch x heads x channel blocks) has fewer blocks
+    than ``occupancy`` a SM (4 without a hint) and the slice is wider than
+    STATE_UPDATE_MIN_BLOCK_P."""
+    b, h, p, n = problem
+    if config.block_p is not None:
+        return replace(config, block_p=min(config.block_p, next_pow2(p)))
+    fits = STATE_UPDATE_TILE_BYTES // (next_pow2(n) * state_bytes)
+    widest = 1 << (max(fits, 1).bit_length() - 1)  # the largest power of two <= fits
+    block_p = min(next_pow2(p), max(STATE_UPDATE_MIN_BLOCK_P, widest))
+    slots = (config.occupancy or 4) * (sms or 0)
+    while block_p > STATE_UPDATE_MIN_BLOCK_P and b * h * -(-p // block_p) < slots:
+        block_p //= 2
+    return replace(config, block_p=block_p)

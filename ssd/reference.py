@@ -8,6 +8,10 @@ Three ways to compute the same thing, each checked against the one below it:
    kernels implement: ``chunk_cumsum`` -> ``chunk_state`` -> ``state_passing`` ->
    ``chunk_scan``.
 
+One step of the recurrence, ``recurrence_step``, is also the decode step
+(``selective_state_update``): one token advances a state held between calls, as a
+serving engine's generation loop does after the prefill.
+
 Everything is computed in float64 whatever the input dtype, so the reference is
 limited by float64 round-off (~1e-16 relative) and not by the algorithm.
 
@@ -77,6 +81,7 @@ __all__ = [
     "silu",
     "segsum",
     "ssd_recurrence",
+    "recurrence_step",
     "recurrence_states",
     "ssd_quadratic",
     "chunk_cumsum",
@@ -87,6 +92,11 @@ __all__ = [
     "check_cu_seqlens",
     "chunk_state_varlen",
     "ssd_chunked",
+    "STEP_LAYOUTS",
+    "check_step_shapes",
+    "StepOperands",
+    "step_operands",
+    "selective_state_update",
 ]
 
 INF = float("inf")
@@ -137,6 +147,7 @@ _DIM_NAMES = {
     "g": "ngroups",
     "c": "nchunks",
     "q": "chunk_size",
+    "s": "cache slots",
 }
 
 
@@ -189,6 +200,15 @@ def _match_layout(name, shape, layout, known):
         known["c"] = (math.ceil(known["l"][0] / known["q"][0]), "ceil(l/q)")
 
 
+def _check_groups(known):
+    if "h" in known and "g" in known and known["h"][0] % known["g"][0] != 0:
+        (h, h_src), (g, g_src) = known["h"], known["g"]
+        raise ValueError(
+            f"{g_src}: nheads h={h} (from {h_src}) is not divisible by ngroups g={g} "
+            f"(from {g_src}); each group of B/C must serve a whole number of heads"
+        )
+
+
 def check_shapes(*, chunk_size=None, **shapes):
     """Check that array shapes agree with each other; return the sizes they imply.
 
@@ -229,12 +249,7 @@ def check_shapes(*, chunk_size=None, **shapes):
             layout = "h" if len(shape) == 1 else "hp"
         _match_layout(name, shape, layout, known)
 
-    if "h" in known and "g" in known and known["h"][0] % known["g"][0] != 0:
-        (h, h_src), (g, g_src) = known["h"], known["g"]
-        raise ValueError(
-            f"{g_src}: nheads h={h} (from {h_src}) is not divisible by ngroups g={g} "
-            f"(from {g_src}); each group of B/C must serve a whole number of heads"
-        )
+    _check_groups(known)
     if "l" in known and "q" in known and "c" in known:
         (l, l_src), (q, q_src), (c, c_src) = known["l"], known["q"], known["c"]
         if c != math.ceil(l / q):
@@ -440,13 +455,18 @@ def prepare_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=(0.0, INF)):
         dt': (b, l, h) float64, >= 0.
     """
     arrays, _ = check_inputs(dt=dt, dt_bias=dt_bias, dt_limit=dt_limit)
-    lo, hi = _check_dt_limit(dt_limit)
-    dt = arrays["dt"]
+    return _step_size(arrays["dt"], arrays.get("dt_bias"), dt_softplus,  # (b, l, h) + (h,)
+                      _check_dt_limit(dt_limit))
+
+
+def _step_size(dt, dt_bias, dt_softplus, limits):
+    """dt' from float64 arrays: dt + dt_bias (broadcast), softplus where <= 20, then the
+    clamp to ``limits`` (lo, hi), or none when ``limits`` is None (the decode step's default)."""
     if dt_bias is not None:
-        dt = dt + arrays["dt_bias"]  # (b, l, h) + (h,)
+        dt = dt + dt_bias
     if dt_softplus:
         dt = np.where(dt <= 20.0, softplus(dt), dt)
-    return np.clip(dt, lo, hi)
+    return dt if limits is None else np.clip(dt, *limits)
 
 
 def _heads(a, h):
@@ -518,6 +538,28 @@ def ssd_recurrence(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=
             states_out[:, t] = state
     y = _skip_and_gate(y, x, arrays.get("D"), arrays.get("z"))
     return (y, state) if return_final_states else y
+
+
+def recurrence_step(state, x, dt, A, B, C):
+    """One step of the recurrence, the step of ``ssd_recurrence``'s loop with dt' and A per
+    channel as well as per head: the decode step's arithmetic (tests/test_decode.py checks that
+    decoding a sequence with it gives ``ssd_recurrence``'s outputs and states).
+
+        h_t = exp(dt' A) h_{t-1} + dt' x_t B_t^T      # (p, n) per head
+        y_t = h_t C_t                                 # before the D skip and the z gate
+
+    Args (float64 arrays; dt and A broadcast over what they do not vary along):
+        state: (b, h, p, n) h_{t-1}.
+        x: (b, h, p).
+        dt: dt' (already through bias, softplus and clamp), (b, h, p), or (b, h, 1) per head.
+        A: (h, p, n), or (h, 1, 1) per head.
+        B, C: (b, h, n), each head's group already picked.
+    Returns:
+        (h_t (b, h, p, n), y_t (b, h, p)).
+    """
+    decay = np.exp(dt[..., None] * A)  # (b, h, p or 1, n or 1)
+    state = decay * state + (dt * x)[..., None] * B[:, :, None, :]  # (b, h, p, n)
+    return state, np.einsum("bhpn,bhn->bhp", state, C)
 
 
 def recurrence_states(x, dt, A, B, C, dt_bias=None, initial_states=None, seq_idx=None,
@@ -946,3 +988,164 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         # 5. each packed sequence's final state, from the chunk where it ends
         out += (chunk_state_varlen(B, x, dt_out, dA_cumsum, prev_states, cu_seqlens, seq_idx),)
     return out if len(out) > 1 else y
+
+
+# --------------------------------------------------------------------------------------
+# The decode step: one token through the recurrence, the state kept between calls
+# --------------------------------------------------------------------------------------
+
+#: The decode step's arguments (mamba_ssm's ``selective_state_update`` with heads), one
+#: letter per axis; "|" separates the forms an argument may take, told apart by rank (the
+#: shorter one is per head). ``s``: the rows of a paged state cache, which replace b in
+#: ``state`` when state_batch_indices is given.
+STEP_LAYOUTS = {
+    "x": "bhp",
+    "dt": "bhp|bh",
+    "A": "hpn|h",
+    "B": "bgn",
+    "C": "bgn",
+    "D": "hp|h",
+    "z": "bhp",
+    "dt_bias": "hp|h",
+    "state": "bhpn",  # last: the state must fit the token's inputs
+    "state_batch_indices": "b",
+}
+
+
+def check_step_shapes(**shapes):
+    """Check the decode step's shapes against each other; return the sizes they imply.
+
+    Like ``check_shapes``, on plain tuples (the torch side shares it). With
+    ``state_batch_indices`` the state's first axis is the cache's rows, s, not b.
+
+    Returns:
+        dict letter -> size (b, h, p, n, g, and s with state_batch_indices).
+    Raises:
+        ValueError (TypeError for an unknown argument) whose message starts with the
+        argument's name.
+    """
+    unknown = sorted(set(shapes) - set(STEP_LAYOUTS))
+    if unknown:
+        raise TypeError(f"check_step_shapes: unknown argument(s) {unknown}")
+    known = {}
+    for name, layouts in STEP_LAYOUTS.items():
+        shape = shapes.get(name)
+        if shape is None:
+            continue
+        shape = tuple(int(s) for s in shape)
+        options = layouts.split("|")
+        if name == "state" and shapes.get("state_batch_indices") is not None:
+            options = ["shpn"]
+        if name == "state" and len(shape) == 3:
+            raise ValueError(
+                f"state: expected shape {_describe(options[0], known)}, got {shape}; "
+                "mamba_ssm's head-less form (batch, dim, dstate) is not supported: give "
+                "every argument a head axis of 1 (state.unsqueeze(1), x.unsqueeze(1), ...)")
+        layout = next((o for o in options if len(o) == len(shape)), None)
+        if layout is None:
+            forms = " or ".join(_describe(o, known) for o in options)
+            raise ValueError(f"{name}: expected shape {forms}, got {shape}")
+        _match_layout(name, shape, layout, known)
+    _check_groups(known)
+    return {d: size for d, (size, _) in known.items()}
+
+
+class StepOperands(NamedTuple):
+    """The decode step's arguments in float64, each in its one full form (views where a
+    per-head form is broadcast)."""
+
+    state: np.ndarray  # (b, h, p, n) the state row each batch entry reads; 0 where padded
+    x: np.ndarray  # (b, h, p)
+    v: np.ndarray  # (b, h, p) dt + dt_bias, before softplus and clamp
+    dt: np.ndarray  # (b, h, p) dt', after bias, softplus and clamp
+    A: np.ndarray  # (h, p, n)
+    B: np.ndarray  # (b, h, n) each head's group
+    C: np.ndarray  # (b, h, n)
+    D: np.ndarray | None  # (h, p)
+    z: np.ndarray | None  # (b, h, p)
+    rows: np.ndarray  # (b,) int64: the state row of each batch entry, -1 where padded
+
+
+def step_operands(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                  state_batch_indices=None, dt_limit=None):
+    """Validate the decode step's arguments and bring each to one form: (StepOperands, dims).
+
+    Checks dtypes (real numbers; integers for state_batch_indices), shapes
+    (``check_step_shapes``), finite values, dt_limit (None, or 0 <= lo <= hi) and the cache
+    rows (below s; a negative one is padding; no row named twice, or two tokens would
+    advance one state). A may be positive and dt' negative: the step is the recurrence
+    whatever their signs (mamba_ssm checks neither).
+    """
+    given = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    arrays = {k: _as_array(k, v) for k, v in given.items() if v is not None}
+    rows = None
+    if state_batch_indices is not None:
+        rows = _as_array("state_batch_indices", state_batch_indices, integer=True)
+    dims = check_step_shapes(**{k: v.shape for k, v in arrays.items()},
+                             state_batch_indices=None if rows is None else rows.shape)
+    for name, arr in arrays.items():
+        if not np.isfinite(arr).all():
+            where = tuple(int(i) for i in np.argwhere(~np.isfinite(arr))[0])
+            raise ValueError(f"{name}: contains NaN or inf (first at index {where}); "
+                             "inputs must be finite")
+    limits = None if dt_limit is None else _check_dt_limit(dt_limit)
+    b, h, p, n = dims["b"], dims["h"], dims["p"], dims["n"]
+    if rows is None:
+        rows = np.arange(b)
+    else:
+        if (rows >= dims["s"]).any():
+            i = int(np.argmax(rows))
+            raise ValueError(f"state_batch_indices: row {rows[i]} at index {i} is past the "
+                             f"state's {dims['s']} rows")
+        used = rows[rows >= 0]
+        if len(np.unique(used)) < len(used):
+            raise ValueError("state_batch_indices: a state row is named twice; each batch "
+                             "entry must own its row (negative entries are padding)")
+        rows = np.where(rows < 0, -1, rows)
+    per_head = lambda a, full: a.reshape(a.shape + (1,) * (len(full) - a.ndim))  # noqa: E731
+    dt_in = per_head(arrays["dt"], (b, h, p))  # (b, h, p) or (b, h, 1)
+    bias = arrays.get("dt_bias")
+    bias = None if bias is None else per_head(bias, (h, p))  # (h, p) or (h, 1)
+    v = np.broadcast_to(_step_size(dt_in, bias, False, None), (b, h, p))
+    dt_out = np.broadcast_to(_step_size(dt_in, bias, dt_softplus, limits), (b, h, p))
+    A_full = np.broadcast_to(per_head(arrays["A"], (h, p, n)), (h, p, n))
+    D_full = None if D is None else np.broadcast_to(per_head(arrays["D"], (h, p)), (h, p))
+    padded = rows < 0
+    read = np.where(padded[:, None, None, None], 0.0, arrays["state"][np.maximum(rows, 0)])
+    return StepOperands(state=read, x=arrays["x"], v=v, dt=dt_out, A=A_full,
+                        B=_heads(arrays["B"], h), C=_heads(arrays["C"], h), D=D_full,
+                        z=arrays.get("z"), rows=rows), dims
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                           dt_softplus=False, state_batch_indices=None, dt_limit=None):
+    """The decode step in float64: one token per batch entry through ``recurrence_step``.
+
+    The semantics of mamba_ssm's Triton ``selective_state_update`` (with heads):
+
+        dt' = dt + dt_bias; softplus(dt') where dt' <= 20 if dt_softplus; no clamp
+              unless dt_limit = (lo, hi) is given (the forward's clamp)
+        h   = exp(dt' A) h + dt' x B^T ;   y = h C + D x ;   y *= silu(z) if z is given
+
+    Args:
+        state: (b, h, p, n), or (s, h, p, n) with state_batch_indices; not modified here.
+        x: (b, h, p). dt: (b, h, p), or (b, h) per head. A: (h, p, n), or (h,) per head.
+        B, C: (b, g, n), h % g == 0. D, dt_bias: optional (h, p), or (h,) per head.
+        z: optional (b, h, p). dt_softplus: as above.
+        state_batch_indices: optional (b,) int, the state row each batch entry reads and
+            writes; a negative entry is padding (y = 0 there, no state row touched).
+        dt_limit: optional (lo, hi), 0 <= lo <= hi.
+    Returns:
+        y (b, h, p) float64, and the state after the step, float64: a copy of ``state`` with
+        the rows the batch names advanced (the kernel updates them in place).
+    """
+    ops, _ = step_operands(state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                           dt_softplus=dt_softplus, state_batch_indices=state_batch_indices,
+                           dt_limit=dt_limit)
+    advanced, y = recurrence_step(ops.state, ops.x, ops.dt, ops.A, ops.B, ops.C)
+    y = _skip_and_gate(y, ops.x, ops.D, ops.z)
+    live = ops.rows >= 0
+    y[~live] = 0.0
+    new_state = np.array(state, dtype=np.float64)
+    new_state[ops.rows[live]] = advanced[live]
+    return y, new_state

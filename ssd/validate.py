@@ -693,3 +693,134 @@ def check_faults(spec: ProblemSpec, host: dict, ref: dict, got: dict, dtype: str
                 row["named"] = checks[target].elem.tile == injected.tile
             rows.append(row)
     return rows
+
+
+# ------------------------------------------------------------------------------------------
+# The decode step (ssd.kernels.state_update)
+
+#: Norm tolerance of a decode-step output by the dtype it is stored in. Every element is one
+#: fp32 result rounded once to that dtype, so its relative error is about one unit roundoff:
+#: twice the unit for bf16 (3.9e-3) and fp16 (4.9e-4); for fp32, 1e-5, 168 units of fp32 for the
+#: arithmetic (exp2, softplus, a sum over n), where a missing decay, a wrong group or a lost gate
+#: moves the output by 1e-3 or more.
+STEP_TOL = {"float32": 1e-5, "bfloat16": 8e-3, "float16": 1e-3}
+#: The smallest normal number of each dtype.
+SMALLEST_NORMAL = {"float32": 2.0**-126, "bfloat16": 2.0**-126, "float16": 2.0**-14}
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """Per-element bounds on |out − ref| of the decode step: y (b, h, p); state (b, h, p, n),
+    of the state rows the batch entries advance (``rows``, -1 for padding, whose y bound is 0:
+    the kernel stores an exact 0)."""
+
+    y: np.ndarray
+    state: np.ndarray
+    rows: np.ndarray
+
+
+def step_bounds(host: dict, dt_softplus: bool, dt_limit, dtype: str,
+                state_dtype: str) -> StepBounds:
+    """The elementwise bounds of the decode step whose float64 inputs are ``host`` (the keyword
+    arguments of :func:`ssd.reference.selective_state_update`), y stored in ``dtype`` and the
+    state in ``state_dtype``.
+
+    Derived, not fitted: the kernel reads the inputs exactly and computes in fp32 (u = 2^-24),
+    each exp2 / exp / log / division within FN_UNITS units. Worst case per element:
+
+    * dt': the bias add, 1 u; softplus (log(1 + e) e / ((1 + e) - 1), e = exp(v)) adds an exp,
+      a log and 2 u, and passes the sum's rounding on scaled by |v| at most (v = dt + dt_bias;
+      softplus(v) ≈ e^v below 0): E_d = (2 FN_UNITS + 3 + |v|) u.
+    * the decay a = 2^(dt' A log2 e): its exponent is off by |dt' A| (E_d + 3 u) (two products
+      and log2 e rounded), exp2 by FN_UNITS u: E_a = |dt' A| (E_d + 3 u) + FN_UNITS u.
+    * the new state h = a h0 + dt' x B: E_s = |a h0| (E_a + u) + |dt' x B| (E_d + 2 u) + u |h|;
+      stored: u_s |h| + (1 + u_s) E_s.
+    * y = Σ_n h_n C_n + D x, from the fp32 state: Σ_n |C_n| E_s,n + (n + 1) u Σ_n |h_n C_n|
+      (a sum of n terms) + 3 u |D x|; the gate silu(z) = z / (1 + e^-z) adds FN_UNITS + 3 u of
+      |y|; stored: u_y |y| + (1 + u_y) E_y.
+    * each stored value also may be off by the smallest normal number of its dtype (SMALLEST_NORMAL):
+      below it a value is stored as a subnormal, or flushed to zero, an absolute error.
+    """
+    from . import reference as R
+
+    u = UNIT_ROUNDOFF["float32"]
+    u_y, u_s = UNIT_ROUNDOFF[dtype], UNIT_ROUNDOFF[state_dtype]
+    ops, dims = R.step_operands(**host, dt_softplus=dt_softplus, dt_limit=dt_limit)
+    h1, _ = R.recurrence_step(ops.state, ops.x, ops.dt, ops.A, ops.B, ops.C)  # (b, h, p, n)
+    dt = ops.dt
+    if dt_softplus:
+        E_d = (2 * FN_UNITS + 3 + np.abs(ops.v)) * u
+    else:
+        E_d = np.full(dt.shape, u)
+    dtA = np.abs(dt[..., None] * ops.A)  # (b, h, p, n)
+    E_a = dtA * (E_d[..., None] + 3 * u) + FN_UNITS * u
+    decayed = np.abs(np.exp(dt[..., None] * ops.A) * ops.state)
+    written = np.abs((dt * ops.x)[..., None] * ops.B[:, :, None, :])
+    E_s = decayed * (E_a + u) + written * (E_d[..., None] + 2 * u) + u * np.abs(h1)
+    state = u_s * np.abs(h1) + (1 + u_s) * E_s + SMALLEST_NORMAL[state_dtype]
+    C = np.abs(ops.C)[:, :, None, :]  # (b, h, 1, n)
+    y_pre = np.einsum("bhpn,bhn->bhp", h1, ops.C)
+    E_y = (np.sum(C * E_s, axis=-1) + (dims["n"] + 1) * u * np.sum(np.abs(h1) * C, axis=-1))
+    if ops.D is not None:
+        skip = ops.D * ops.x
+        E_y = E_y + 3 * u * np.abs(skip)
+        y_pre = y_pre + skip
+    if ops.z is not None:
+        gate = np.abs(R.silu(ops.z))
+        E_y = gate * E_y + (FN_UNITS + 3) * u * gate * np.abs(y_pre)
+        y_pre = y_pre * R.silu(ops.z)
+    y = u_y * np.abs(y_pre) + (1 + u_y) * E_y + SMALLEST_NORMAL[dtype]
+    y[ops.rows < 0] = 0.0
+    return StepBounds(y=y, state=state, rows=ops.rows)
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """Both criteria on one output of the decode step: the norm (``rel_err`` <= ``tol``) and
+    every element within its bound (``ratio``, the worst |out − ref| / bound, <= 1; inf for a
+    non-finite element), the worst at ``index``."""
+
+    key: str
+    rel_err: float
+    tol: float
+    ratio: float
+    index: tuple
+    out: float
+    ref: float
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err <= self.tol and self.ratio <= 1.0
+
+    def failure(self) -> str:
+        """What failed ('' if nothing did)."""
+        parts = []
+        if self.rel_err > self.tol:
+            parts.append(f"{self.key}: rel err {self.rel_err:.3e} > {self.tol:.0e}")
+        if self.ratio > 1.0:
+            parts.append(f"{self.key}{list(self.index)} = {self.out:.6g}, reference "
+                         f"{self.ref:.6g}: {self.ratio:.3g}x its bound")
+        return "; ".join(parts)
+
+    def fields(self) -> dict:
+        """The entries a GPU test records for this check (JSON-ready)."""
+        return dict(rel_err=self.rel_err, tol=self.tol, elem_ratio=self.ratio,
+                    elem_index=list(self.index))
+
+
+def check_step(key: str, out, ref: np.ndarray, bound: np.ndarray, dtype: str) -> StepCheck:
+    """Compare one decode-step output (torch tensor or array) with its float64 reference:
+    the norm against STEP_TOL[``dtype``] (its storage dtype) and each element against
+    ``bound`` (:func:`step_bounds`)."""
+    o = as_float64(out)
+    if o.shape != ref.shape:
+        raise ValueError(f"{key}: output shape {o.shape} != reference shape {ref.shape}")
+    err = np.abs(o - ref)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(err == 0, 0.0, err / bound)  # 0 / 0: exact; x / 0: inf
+    ratio = np.where(np.isfinite(o), ratio, np.inf)
+    flat = int(np.argmax(ratio)) if ratio.size else 0
+    index = tuple(int(i) for i in np.unravel_index(flat, ratio.shape)) if ratio.size else ()
+    return StepCheck(key, rel_err(o, ref), STEP_TOL[dtype], float(ratio[index]) if ratio.size
+                     else 0.0, index, float(o[index]) if o.size else 0.0,
+                     float(ref[index]) if ref.size else 0.0)

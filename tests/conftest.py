@@ -6,12 +6,13 @@ them: the same process in a plain run, the controller under pytest-xdist (``pyte
 compiles kernel variants in parallel; tileiras is single-threaded). At the end of a run that
 ran any, the rows, the pass/fail counts, the worst error per dtype and the environment go to
 ``results/<gpu>/gpu_tests.json`` (the run summary the Kernels issue asks for, read back by
-notebook 08), with the ids of any failed tests. Rows tagged ``record="mixer"`` (the whole-layer
-checks of tests/test_mamba2.py, which have no per-stage tolerance for notebook 08 to check them
-against) go to ``results/<gpu>/gpu_mixer_tests.json`` instead. A run with injected faults
+notebook 08), with the ids of any failed tests. Rows tagged ``record=NAME`` go to
+``results/<gpu>/gpu_NAME_tests.json`` instead: ``mixer``, the whole-layer checks of
+tests/test_mamba2.py, and ``decode``, the decode step's of tests/test_gpu_decode.py, which have
+no per-stage tolerance for notebook 08 to check them against. A run with injected faults
 (``SSD_INJECT_FAULT``, see ssd.validate) writes its summary to ``results/<gpu>/gpu_faults.json``
 (how often each fault was put in, visible and caught by each criterion, per test family, and
-the rows of any visible fault that was missed) and leaves the other two files as they are.
+the rows of any visible fault that was missed) and leaves the other files as they are.
 """
 import importlib.util
 import os
@@ -147,8 +148,11 @@ def pytest_sessionfinish(session, exitstatus):
 
     env = environment()
     # packed (4 significant digits), and the summary computed from what is written
-    rows = unpack_rows(pack_rows([r for r in _COLLECTED if r.get("record") != "mixer"]))
-    mixer = [r for r in _COLLECTED if r.get("record") == "mixer"]
+    rows = unpack_rows(pack_rows([r for r in _COLLECTED if not r.get("record")]))
+    records = {}  # record name -> its rows
+    for r in _COLLECTED:
+        if r.get("record"):
+            records.setdefault(r["record"], []).append(r)
     worst, worst_elem = {}, {}
     for row in rows:
         if row.get("rel_err") is not None and row.get("kind", "reference") == "reference":
@@ -182,6 +186,7 @@ def pytest_sessionfinish(session, exitstatus):
                    "missed": pack_rows(missed), "environment": env}
     path = write_json(folder / ("gpu_faults.json" if faults else "gpu_tests.json"), summary)
     print(f"\n[gpu] {len(rows)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
-    if mixer and not faults:
-        path = write_json(folder / "gpu_mixer_tests.json", dict(environment=env, rows=pack_rows(mixer)))
-        print(f"[gpu] {len(mixer)} mixer checks written to {path}")
+    for name, kept in records.items() if not faults else ():
+        path = write_json(folder / f"gpu_{name}_tests.json",
+                          dict(environment=env, rows=pack_rows(kept)))
+        print(f"[gpu] {len(kept)} {name} checks written to {path}")

@@ -18,11 +18,13 @@ pytest.importorskip("cuda.tile")
 from ssd.tools import aot  # noqa: E402
 
 KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
-           "chunk_scan_kernel", "fused_scan_kernel", "chunk_state_varlen_kernel"}
+           "chunk_scan_kernel", "fused_scan_kernel", "chunk_state_varlen_kernel",
+           "state_update_kernel"}
 
 
-# Every kernel of the forward (both feature sets, fused and split stage 2, the one kernel) for
-# every arch in bf16, the dtype models run in; fp32 and fp16 for sm_90. fp32 costs the most
+# Every kernel of the forward (both feature sets, fused and split stage 2, the one kernel) and
+# the decode step (an fp32 state and one of the inputs' dtype) for every arch in bf16, the dtype
+# models run in; fp32 and fp16 for sm_90. fp32 costs the most
 # compile time (over a minute an arch on a 2-core CPU). The risk this leaves: a compile failure
 # of one dtype on sm_80 or sm_100 alone (the GPU tests run every dtype on sm_90).
 @pytest.mark.parametrize("dtype, archs", [("bfloat16", aot.ARCHS), ("float32", ("sm_90",)),
@@ -516,3 +518,49 @@ def test_fma_chain_compiles(arch):
     assert export(rec[0], arch).data[:4] == b"\x7fELF"
     with pytest.raises(ValueError, match="multiple of"):
         rate_kernel.launch_fma_chain(torch.empty(5), torch.empty(5))
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
+def test_decode_step_compiles_with_every_form(arch):
+    """The decode step with every argument per channel, z, a paged cache and a clamp, on a head
+    dim and state width that are not powers of two (tiles padded), three groups."""
+    (record,) = aot.capture_decode("bfloat16", "all", "bfloat16", dims=(3, 6, 24, 20, 3))
+    assert len(aot.export_cubin(record, arch)) > 1000
+
+
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dims", [(1, 80, 64, 128, 1), (64, 80, 64, 128, 1), (8, 128, 64, 128, 8)],
+                         ids=["2.7b-b1", "2.7b-b64", "codestral-7b-b8"])
+def test_decode_step_default_fits_its_occupancy_hint(dims, state_dtype):
+    """The premise of STATE_UPDATE_TILE_BYTES and StateUpdateConfig's hint (ssd/config.py), on
+    sm_90 as mamba_ssm's Mamba-2 layer calls the step: the hint's blocks fit a SM by registers
+    (256 threads a block) and by shared memory (228 KiB, 1 KiB of it reserved a block), and
+    nothing spills. A hint that does not fit is dropped silently: the build then takes 255
+    registers a thread, one block a SM."""
+    from ssd.config import StateUpdateConfig
+
+    hint = StateUpdateConfig().occupancy
+    (record,) = aot.capture_decode("bfloat16", "layer", state_dtype, dims=dims, sms=132)
+    use = aot.resource_usage(aot.export_cubin(record, "sm_90"))
+    assert use["stack_bytes"] == 0 and use["registers"] * 256 * hint <= 64 * 1024
+    assert hint * (use["shared_bytes"] + 1024) <= 228 * 1024
+
+
+@pytest.mark.parametrize("features, widths", [("none", (1, 1, 1, 1, 1)), ("layer", (1, 1, 1, 1, 1)),
+                                              ("all", (32, 32, 32, 32, 128))])
+def test_decode_step_reads_a_per_head_value_once_a_block(features, widths):
+    """A per-head dt, dt_bias, D or A reaches the kernel with extent 1 along what it is
+    constant over, whether passed compact or as the layer's expanded views (stride 0), so the
+    block loads one value and computes one decay; per-channel ones keep their width. The
+    widths (DT_W, BIAS_W, D_W, A_WP, A_WN) at a 32-channel slice of a bf16 state."""
+    import inspect
+
+    from ssd.config import StateUpdateConfig
+
+    (record,) = aot.capture_decode("bfloat16", features, "bfloat16",
+                                   config=StateUpdateConfig(block_p=32))
+    args = dict(zip(inspect.signature(record.kernel._pyfunc).parameters, record.args))
+    assert args["BLOCK_P"] == 32
+    assert tuple(args[k] for k in ("DT_W", "BIAS_W", "D_W", "A_WP", "A_WN")) == widths
+    if features == "layer":
+        assert args["dt"].shape[-1] == args["D"].shape[-1] == 1 and args["A"].shape[1:] == (1, 1)

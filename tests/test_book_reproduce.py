@@ -54,7 +54,8 @@ def test_make_targets():
 def test_writes(notebooks):
     w = lambda c: rp.writes(c, notebooks)  # noqa: E731
     assert w("python -m pytest -m gpu -n auto tests/") == ["<gpu>/gpu_tests.json",
-                                                          "<gpu>/gpu_mixer_tests.json"]
+                                                          "<gpu>/gpu_mixer_tests.json",
+                                                          "<gpu>/gpu_decode_tests.json"]
     assert w('python -m pytest -m "not gpu" tests/') == []
     assert w("python -m ssd.tools.bench --suite first-call") == ["<gpu>/first-call.json"]
     out = "results/$(python -m x --slug)/r.json"

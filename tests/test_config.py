@@ -351,3 +351,30 @@ def test_for_problem_clamps_the_one_kernel_channel_block():
     cfg = SSDConfig(fused_scan=FusedScanConfig(enabled=True, block_p=64))
     assert cfg.for_problem(64, 24, 128, 1).fused_scan.block_p == 32
     assert cfg.for_problem(64, 96, 128, 1).fused_scan.block_p == 64
+
+
+@pytest.mark.parametrize("kwargs", [dict(block_p=48), dict(block_p=0), dict(occupancy=0)])
+def test_state_update_config_rejects_bad_values(kwargs):
+    from ssd.config import StateUpdateConfig
+
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        StateUpdateConfig(**kwargs)
+
+
+def test_state_update_block_p_rule():
+    """The decode step's slice: STATE_UPDATE_TILE_BYTES of state (16 channels of a 128-wide fp32
+    state, 32 of bf16), clamped to the head dim; halved while the grid has fewer blocks than the
+    hint's resident slots (2.7b's 80 heads at batch 1: 8 channels, 640 blocks on 132 SMs), never
+    below STATE_UPDATE_MIN_BLOCK_P; a block_p given is only clamped."""
+    from ssd.config import (STATE_UPDATE_MIN_BLOCK_P, STATE_UPDATE_TILE_BYTES,
+                            StateUpdateConfig, state_update_config)
+
+    rule = lambda problem, nbytes, sms=132, **kw: state_update_config(  # noqa: E731
+        StateUpdateConfig(**kw), problem, nbytes, sms).block_p
+    assert rule((64, 80, 64, 128), 4) * 128 * 4 == STATE_UPDATE_TILE_BYTES
+    assert (rule((64, 80, 64, 128), 4), rule((64, 80, 64, 128), 2)) == (16, 32)
+    assert rule((64, 80, 32, 16), 4) == 32                    # the whole head
+    assert rule((1, 80, 64, 128), 4) == 8 and rule((8, 80, 64, 128), 4) == 16
+    assert rule((1, 2, 64, 128), 2) == STATE_UPDATE_MIN_BLOCK_P
+    assert rule((1, 80, 64, 128), 4, sms=None) == 16          # no GPU: no fill rule
+    assert rule((1, 80, 48, 128), 4, block_p=256) == 64 and rule((1, 80, 64, 128), 4, block_p=4) == 4

@@ -1,7 +1,8 @@
 """The GPU run's summary files, written by tests/conftest.py, checked on the CPU.
 
 A GPU run cannot be repeated here, so the plumbing that turns test reports into
-``results/<gpu>/gpu_tests.json`` and ``gpu_mixer_tests.json`` is fed fake reports: the rows
+``results/<gpu>/gpu_tests.json``, ``gpu_mixer_tests.json`` and ``gpu_decode_tests.json`` is fed
+fake reports: the rows
 each test attached, pass/fail outcomes, the xdist controller's view (reports from several
 workers). A fresh copy of the conftest module keeps this test's rows out of the real test run.
 """
@@ -33,23 +34,27 @@ def report(nodeid, outcome, rows):
                            user_properties=[("gpu_rows", rows)] if rows else [])
 
 
-def test_rows_from_every_worker_are_split_into_the_two_files(plumbing, tmp_path):
+def test_rows_from_every_worker_are_split_into_their_files(plumbing, tmp_path):
     kernel = dict(test="chunk_scan", dtype="bfloat16", rel_err=2e-3, tol=1.5e-2)
     mixer = dict(record="mixer", test="mixer-cutile-vs-torch", dtype="float32", rel_err=1e-6)
-    # Reports as the controller logs them: two tests from one worker, one from another.
+    decode = dict(record="decode", test="decode/layer", dtype="float16", rel_err=2e-4)
+    # Reports as the controller logs them: two tests from one worker, two from another.
     plumbing.pytest_runtest_logreport(report("tests/a.py::k", "passed", [kernel]))
     plumbing.pytest_runtest_logreport(report("tests/m.py::one", "passed", [mixer]))
     plumbing.pytest_runtest_logreport(report("tests/m.py::two", "failed", [dict(mixer, rel_err=1.0)]))
+    plumbing.pytest_runtest_logreport(report("tests/d.py::one", "passed", [decode]))
     plumbing.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()), 1)
 
     summary = json.loads((tmp_path / "results" / "h200" / "gpu_tests.json").read_text())
-    assert summary["outcomes"] == {"passed": 2, "failed": 1}
+    assert summary["outcomes"] == {"passed": 3, "failed": 1}
     assert summary["failed_tests"] == ["tests/m.py::two"]
     assert ssd.tools.env.unpack_rows(summary["rows"]) == [kernel] and summary["checks"] == 1
     assert summary["worst_rel_err_by_dtype"] == {"bfloat16": 2e-3}
     layer = json.loads((tmp_path / "results" / "h200" / "gpu_mixer_tests.json").read_text())
     assert [r["rel_err"] for r in ssd.tools.env.unpack_rows(layer["rows"])] == [1e-6, 1.0]
     assert layer["environment"]["gpu"] == "NVIDIA H200"
+    step = json.loads((tmp_path / "results" / "h200" / "gpu_decode_tests.json").read_text())
+    assert ssd.tools.env.unpack_rows(step["rows"]) == [decode]
 
 
 def test_an_xdist_worker_writes_nothing(plumbing, tmp_path):

@@ -24,10 +24,12 @@ from .tables import Table
 HOLDS = {
     "gpu_tests": "GPU test outcomes; each kernel output's error against the float64 reference",
     "gpu_mixer_tests": "the Mamba-2 mixer with each SSD backend against its PyTorch one",
+    "gpu_decode_tests": "the decode step's outputs and states against the float64 reference",
     "first-call": "first calls on never-seen shapes: compile seconds per kernel",
     "models": "five model shapes: ours, mamba_ssm, TileGym at three chunk sizes, graph and "
               "eager, L2 flushed and warm; stage times; ceilings",
     "serving": "the models suite's record for short prompts",
+    "decode": "the decode step, ours and mamba_ssm's: times, state bandwidth against a copy's",
     "study": "the layout study: the default and each factor varied around it",
     "endtoend": "a Mamba-2 mixer per model shape (the SSD's share); prefill stacks",
     "tilegym_replayed": "TileGym's tuned configurations replayed beside ours",
@@ -202,7 +204,8 @@ def writes(command: str, notebooks=None) -> list:
     """The recordings (paths under results/, ``<gpu>`` for the GPU's folder) a command of
     the Makefile writes."""
     if re.search(r"pytest\b.*\s-m\s+gpu\b", command):
-        return ["<gpu>/gpu_tests.json", "<gpu>/gpu_mixer_tests.json"]
+        return ["<gpu>/gpu_tests.json", "<gpu>/gpu_mixer_tests.json",
+                "<gpu>/gpu_decode_tests.json"]
     if m := re.search(r"--out\s+(.*?\.json)", command):
         return [_results_path(m[1])]
     if "--tilegym-table" in command:

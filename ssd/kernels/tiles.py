@@ -17,6 +17,21 @@ LOG2E = 1.4426950408889634  # decays are exp(a) = exp2(a * log2(e)): exp2 is the
 DECAY_ROW = 8
 
 
+def softplus(d):
+    """Tile code: softplus(d) = log1p(e^d) where d <= 20, d above (fp32 tiles, any shape), as
+    chunk_cumsum computes it in its own body (chapter 05 lists that kernel and explains it there).
+
+    Above 20 softplus equals d to fp32 precision and e^d would only risk overflow, so d passes
+    through there (the threshold mamba_ssm uses). There is no log1p tile op, and log(1 + e)
+    loses e's low bits when e is small (typical dt' ~ 1e-3 would keep only ~4 significant
+    digits). Goldberg's identity log1p(e) = log(u) * e / (u - 1), u = fl(1 + e), cancels that
+    rounding."""
+    e = ct.exp(ct.minimum(d, 20.0))
+    u = 1.0 + e
+    log1p = ct.where(u == 1.0, e, ct.log(u) * e / (u - 1.0))
+    return ct.where(d <= 20.0, log1p, d)
+
+
 def k_step(acc, kk, x, B, dt_out, dA_cumsum, seq_idx, last, seq_end, ib, ic, ih, ig, ip, jn, Q,
            BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ, LATENCY, TRANSPOSED):
     """Tile code: ``acc`` plus K block ``kk`` of chunk ``ic`` (see :func:`chunk_state_tile`)."""

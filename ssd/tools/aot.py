@@ -106,8 +106,57 @@ def capture_forward(dtype: str, features: str, fused: bool, chunk_size: int = 25
     return records
 
 
+# The decode step's feature sets: "none" (per-head A and dt, nothing optional), "layer" (as
+# mamba_ssm's Mamba-2 layer calls it: A, dt, dt_bias and D per head expanded over the head dim
+# and the state, softplus) and "all" (every argument per channel, z, a paged cache, a clamp).
+DECODE_FEATURES = ("none", "layer", "all")
+DECODE_DIMS = (2, 8, 64, 128, 2)  # (b, h, p, n, g)
+
+
+def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims=None,
+                   config=None, sms: int | None = None):
+    """Run the decode step's launcher (:func:`ssd.kernels.state_update.state_update`) on small
+    CPU tensors and return the recorded launch. ``features``: one of DECODE_FEATURES; inputs in
+    ``dtype``, the state in ``state_dtype``; ``dims`` (b, h, p, n, g) replaces DECODE_DIMS;
+    ``config`` a StateUpdateConfig (default: the default's on a GPU of ``sms`` SMs; None: the
+    slice of STATE_UPDATE_TILE_BYTES, not narrowed for a small grid)."""
+    import torch
+
+    from ..config import StateUpdateConfig, state_update_config
+    from ..kernels.state_update import state_update
+
+    if features not in DECODE_FEATURES:
+        raise ValueError(f"features: expected one of {DECODE_FEATURES}, got {features!r}")
+    t = getattr(torch, dtype)
+    b, h, p, n, g = dims or DECODE_DIMS
+    x = torch.randn(b, h, p, dtype=t)
+    B, C = torch.randn(b, g, n, dtype=t), torch.randn(b, g, n, dtype=t)
+    rows, extra = b, {}
+    if features == "none":
+        dt, A = torch.rand(b, h, dtype=t), -torch.rand(h)
+    elif features == "layer":
+        dt = torch.rand(b, h, dtype=t)[..., None].expand(b, h, p)
+        A = (-torch.rand(h))[:, None, None].expand(h, p, n)  # strides (1, 0, 0)
+        extra = dict(D=torch.randn(h)[:, None].expand(h, p),
+                     dt_bias=torch.randn(h)[:, None].expand(h, p), dt_softplus=True)
+    else:
+        rows = 2 * b
+        dt, A = torch.rand(b, h, p, dtype=t), -torch.rand(h, p, n)
+        extra = dict(D=torch.randn(h, p), dt_bias=torch.randn(h, p), dt_softplus=True,
+                     z=torch.randn(b, h, p, dtype=t), dt_limit=(0.001, 0.1),
+                     state_batch_indices=torch.randperm(rows)[:b].to(torch.int32))
+    state = torch.randn(rows, h, p, n, dtype=getattr(torch, state_dtype))
+    if config is None:
+        config = state_update_config(StateUpdateConfig(), (b, h, p, n), state.element_size(),
+                                     sms)
+    with launch.capture() as records:
+        state_update(state, x, dt, A, B, C, config=config, **extra)
+    return records
+
+
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
-    """Export every distinct (kernel, signature) of the forward for each arch."""
+    """Export every distinct (kernel, signature) of the forward and of the decode step for
+    each arch."""
     from ..config import FusedScanConfig, SSDConfig
 
     done, seen = [], set()
@@ -128,6 +177,10 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,
                                        True, 64, config=one_kernel)
+            # the decode step: an fp32 state, and one in the inputs' dtype with every feature
+            records += capture_decode(dtype, features, "float32")
+            if features == "all":
+                records += capture_decode(dtype, "layer", dtype)
             for record in records:
                 sig = launch.signature(record)
                 key = (record.kernel, repr(sig))

@@ -1,10 +1,12 @@
 """The implementations we measure against, loaded without their packaging getting in the way.
 
-* mamba_ssm's Triton SSD, ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``.
+* mamba_ssm's Triton SSD, ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``, and
+  its decode step, ``mamba_ssm.ops.triton.selective_state_update.selective_state_update``.
   mamba_ssm 2.3.2.post1's package ``__init__`` imports its compiled CUDA extension
-  (``selective_scan_cuda``) and fails wherever that was not built, although the Triton SSD
-  needs none of it. :func:`mamba_ssm_forward` then registers a bare ``mamba_ssm`` package
-  whose ``__path__`` points at the installed sources, and imports only the Triton submodule.
+  (``selective_scan_cuda``) and fails wherever that was not built, although the Triton kernels
+  need none of it. :func:`mamba_ssm_forward` and :func:`mamba_ssm_state_update` then register a
+  bare ``mamba_ssm`` package whose ``__path__`` points at the installed sources, and import
+  only the Triton submodule.
 * TileGym's cuTile Mamba-2, ``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, a, b, c, d,
   dt, init_state, chunk_size)``: dt already positive (no bias, no softplus), D per head,
   initial state required, sequence length a multiple of the chunk size. Autotuning is on
@@ -25,32 +27,42 @@ class PeerUnavailable(ImportError):
     """A peer implementation is not installed or cannot be imported here."""
 
 
-def mamba_ssm_forward():
-    """Return mamba_ssm's Triton ``mamba_chunk_scan_combined`` (same signature as ours)."""
+def _mamba_ssm_triton(module: str, name: str):
+    """``name`` from mamba_ssm's Triton submodule ``mamba_ssm.ops.triton.<module>``."""
+    qualified = f"mamba_ssm.ops.triton.{module}"
     try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-        return mamba_chunk_scan_combined
+        return getattr(importlib.import_module(qualified), name)
     except ImportError as first:
         spec = importlib.util.find_spec("mamba_ssm") if "mamba_ssm" not in sys.modules else None
         if spec is None and "mamba_ssm" not in sys.modules:
             raise PeerUnavailable(
                 "mamba_ssm is not installed: `pip install mamba-ssm --no-build-isolation` "
-                "(its Triton SSD needs only torch and triton; set MAMBA_SKIP_CUDA_BUILD=TRUE "
+                "(its Triton kernels need only torch and triton; set MAMBA_SKIP_CUDA_BUILD=TRUE "
                 "to skip the CUDA extension)") from first
         # The package __init__ failed (no CUDA extension): drop the half-imported modules and
         # stand in a bare package so that only the pure-Triton submodules are imported.
         path = (spec.submodule_search_locations if spec is not None
                 else sys.modules["mamba_ssm"].__path__)
-        for name in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
-            del sys.modules[name]
+        for loaded in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
+            del sys.modules[loaded]
         bare = types.ModuleType("mamba_ssm")
         bare.__path__ = list(path)
         sys.modules["mamba_ssm"] = bare
         try:
-            module = importlib.import_module("mamba_ssm.ops.triton.ssd_combined")
+            return getattr(importlib.import_module(qualified), name)
         except ImportError as exc:
-            raise PeerUnavailable(f"mamba_ssm's Triton SSD cannot be imported: {exc}") from exc
-        return module.mamba_chunk_scan_combined
+            raise PeerUnavailable(f"mamba_ssm's Triton {module} cannot be imported: {exc}") from exc
+
+
+def mamba_ssm_forward():
+    """Return mamba_ssm's Triton ``mamba_chunk_scan_combined`` (same signature as ours)."""
+    return _mamba_ssm_triton("ssd_combined", "mamba_chunk_scan_combined")
+
+
+def mamba_ssm_state_update():
+    """Return mamba_ssm's Triton ``selective_state_update``, the decode step (same signature as
+    :func:`ssd.selective_state_update` without its keyword-only arguments)."""
+    return _mamba_ssm_triton("selective_state_update", "selective_state_update")
 
 
 def _mamba_ssm_autotuners():
