@@ -18,11 +18,13 @@ pytest.importorskip("cuda.tile")
 from ssd.tools import aot  # noqa: E402
 
 KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
-           "chunk_scan_kernel", "fused_scan_kernel"}
+           "chunk_scan_kernel", "fused_scan_kernel", "causal_conv1d_kernel",
+           "gated_rmsnorm_kernel"}
 
 
-# Every kernel of the forward (both feature sets, fused and split stage 2, the one kernel) for
-# every arch in bf16, the dtype models run in; fp32 and fp16 for sm_90. fp32 costs the most
+# Every kernel of the forward (both feature sets, fused and split stage 2, the one kernel) and
+# the layer's conv (with and without seq_idx and an initial state) and norm for every arch in
+# bf16, the dtype models run in; fp32 and fp16 for sm_90. fp32 costs the most
 # compile time (over a minute an arch on a 2-core CPU). The risk this leaves: a compile failure
 # of one dtype on sm_80 or sm_100 alone (the GPU tests run every dtype on sm_90).
 @pytest.mark.parametrize("dtype, archs", [("bfloat16", aot.ARCHS), ("float32", ("sm_90",)),
