@@ -476,3 +476,12 @@ def test_packed_sequences_take_the_three_stages():
 def test_one_kernel_scan_compiles_with_every_input(arch):
     """z, initial states, D per channel, a partial chunk, p and n not powers of two."""
     assert len(aot.export_cubin(one_kernel_scan((2, 100, 4, 96, 48, 2), "unpacked"), arch)) > 1000
+
+
+def test_layer_kernels_do_not_spill():
+    """The layer's conv and norm on sm_90 at the 2.7b layer's widths (the norm's widest shipped
+    tile: one group of 5120 channels padded to 8192, one row a block) keep everything in
+    registers: no stack."""
+    for record in aot.capture_layer("bfloat16", "none", preset="2.7b"):
+        use = aot.resource_usage(aot.export_cubin(record, "sm_90"))
+        assert use["stack_bytes"] == 0, (record.kernel._pyfunc.__name__, use)
