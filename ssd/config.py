@@ -224,9 +224,10 @@ def next_pow2(n: int) -> int:
 @dataclass(frozen=True)
 class Conv1dConfig:
     """The layer's causal conv1d (:mod:`ssd.kernels.causal_conv1d`): one block per (``block_c``
-    channels, ``block_l`` positions, batch row). A block reads its rows and the width-1 rows
-    before them once per tap (the repeats hit the L1 cache), so longer blocks read fewer rows
-    twice; 64 x 128 keeps the fp32 tile and the four taps' loads without spilling on sm_90."""
+    channels, ``block_l`` positions, batch row). A block gathers its rows once a tap (the repeats
+    meant to hit the L1 cache) plus the width-1 rows before them, so longer blocks reread fewer
+    rows. At 64 x 64 the width-4 kernel compiles for sm_90 to 128 registers a thread and no
+    shared memory (64 x 128: 196 registers); neither is timed yet."""
 
     block_l: int = 64
     block_c: int = 64
@@ -241,7 +242,7 @@ class GatedNormConfig:
     """The layer's gated RMSNorm (:mod:`ssd.kernels.gated_rmsnorm`): a block holds whole groups
     (the group padded to a power of two) of as many rows as make about ``block_elems`` values,
     at least one row: a group's sum of squares never leaves the block, so y and z are read
-    once."""
+    once. Untimed."""
 
     block_elems: int = 4096
 

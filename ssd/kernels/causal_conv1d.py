@@ -17,8 +17,9 @@ count as sequence 0, as in the SSD). The float64 reference is
 Each tap is a gather of the block's rows shifted back by w-1-k: a tile load can only start at
 a multiple of its own shape, and a gather's indices can be anything, negative ones reading as
 out of bounds (zero), which is the causal padding. Along the channels the indices are
-consecutive, so on sm_90 each thread's gather is 16-byte vector loads; the w-1 rows a block
-shares with the next tap hit the L1 cache.
+consecutive, so on sm_90 each thread's gather compiles to 16-byte vector loads; the rows the
+taps share are meant to hit the L1 cache (untimed: were they to miss, L2 would serve each
+input row w times).
 """
 import functools
 
