@@ -8,6 +8,8 @@
   runs a quick build of chunk_scan meanwhile; see ``ssd.launch``).
 * stage kernels: ``ssd.kernels.chunk_cumsum``, ``ssd.kernels.chunk_state``, ``ssd.kernels.state_passing``,
   ``ssd.kernels.chunk_scan``; tile sizes in ``ssd.config``.
+* ``ssd.layer``  a Mamba-2 layer around the SSD; ``ssd.layer_ops`` its conv and gated norm in
+  cuTile, ``ssd.layer_reference`` their float64 references.
 """
 __version__ = "0.1.0"
 
