@@ -11,6 +11,8 @@
 * stage kernels: ``ssd.kernels.chunk_cumsum``, ``ssd.kernels.chunk_state``, ``ssd.kernels.state_passing``,
   ``ssd.kernels.chunk_scan``, and the decode step's ``ssd.kernels.state_update``; tile sizes in
   ``ssd.config``.
+* ``ssd.layer``  a Mamba-2 layer around the SSD; ``ssd.layer_ops`` its conv and gated norm in
+  cuTile, ``ssd.layer_reference`` their float64 references.
 """
 __version__ = "0.1.0"
 

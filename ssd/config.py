@@ -235,6 +235,42 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# --- the layer's other kernels (ssd.layer_ops); untimed defaults, compile-checked on sm_90 ---
+
+
+@dataclass(frozen=True)
+class Conv1dConfig:
+    """The layer's causal conv1d (:mod:`ssd.kernels.causal_conv1d`): one block per (``block_c``
+    channels, ``block_l`` positions, batch row). A block gathers its rows once a tap (the repeats
+    meant to hit the L1 cache) plus the width-1 rows before them, so longer blocks reread fewer
+    rows. At 64 x 64 the width-4 kernel compiles for sm_90 to 128 registers a thread and no
+    shared memory (64 x 128: 196 registers); neither is timed yet."""
+
+    block_l: int = 64
+    block_c: int = 64
+
+    def __post_init__(self):
+        _check_pow2("block_l", self.block_l)
+        _check_pow2("block_c", self.block_c)
+
+
+@dataclass(frozen=True)
+class GatedNormConfig:
+    """The layer's gated RMSNorm (:mod:`ssd.kernels.gated_rmsnorm`): a block holds whole groups
+    (the group padded to a power of two) of as many rows as make about ``block_elems`` values,
+    at least one row: a group's sum of squares never leaves the block, so y and z are read
+    once. Untimed."""
+
+    block_elems: int = 4096
+
+    def __post_init__(self):
+        _check_pow2("block_elems", self.block_elems)
+
+    def block_rows(self, rows: int, group_size: int) -> int:
+        """Rows a block takes for ``rows`` rows of groups of ``group_size`` channels."""
+        return max(1, min(self.block_elems // next_pow2(group_size), next_pow2(rows)))
+
+
 # Per-architecture defaults, keyed by compute-capability major. Only 9 (Hopper) is measured.
 _DEFAULTS = {
     9: SSDConfig(),

@@ -52,9 +52,17 @@ INT32_MAX = 2**31 - 1
 
 
 def index_dtype_for(*tensors) -> "ct.DType":
-    """int64 indexing only where a tensor has 2**31 elements or more (address arithmetic would
-    overflow in int32 there); int32 everywhere else because it is cheaper."""
-    big = any(t is not None and t.numel() > INT32_MAX for t in tensors)
+    """int64 indexing only where a tensor has 2**31 elements or more, or its elements lie that
+    far apart in memory (a view such as a column slice of a wider tensor: its offsets reach past
+    its element count); address arithmetic would overflow in int32 there. int32 everywhere
+    else because it is cheaper."""
+    def reach(t):
+        if t.numel() == 0:
+            return 0
+        span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+        return max(t.numel(), span)
+
+    big = any(t is not None and reach(t) > INT32_MAX for t in tensors)
     return ct.int64 if big else ct.int32
 
 

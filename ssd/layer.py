@@ -24,6 +24,11 @@ backend        what                                                  where
 ``reference``  ``ssd.reference.ssd_chunked`` in NumPy float64        CPU copy, slow (tests)
 =============  ===================================================  ===========================
 
+The conv and the norm around it run either in plain PyTorch (``kernels="torch"``, the
+default: ``nn.Conv1d`` over transposed xBC, the norm in fp32 eager ops) or as the cuTile kernels
+of :mod:`ssd.layer_ops` (``kernels="cutile"``: xBC and z read where in_proj wrote them, no
+transposes and no copies; CUDA only). :data:`KERNELS` names the two.
+
 Dimension legend as everywhere in ``ssd`` (see ``ssd.reference``): b batch, l seqlen, h
 nheads, p headdim, n dstate (the paper's N), g ngroups (B and C shared by h/g heads), q
 chunk_size. Mamba-2's own names: d_inner = expand * d_model = h * p; conv_dim = d_inner + 2 g n.
@@ -47,6 +52,7 @@ from .reference import check_shapes
 
 INF = float("inf")
 BACKENDS = ("cutile", "mamba_ssm", "torch", "reference")
+KERNELS = ("torch", "cutile")  # the conv and norm around the SSD
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 
 # Mamba-2's initialisation ranges (mamba_ssm ``Mamba2.__init__`` defaults).
@@ -323,6 +329,30 @@ def available_backends() -> dict:
     return out
 
 
+def kernel_ops(name: str):
+    """The conv and norm of a mixer with ``kernels=name``: None for "torch" (the PyTorch path of
+    :func:`causal_conv1d_torch` and :class:`GatedRMSNorm`), the module :mod:`ssd.layer_ops` for
+    "cutile" (its ``causal_conv1d`` and ``gated_rmsnorm``).
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`KERNELS`.
+        BackendUnavailable: "cutile" cannot run here (no GPU, cuda-tile missing).
+    """
+    if name not in KERNELS:
+        raise ValueError(f"kernels: unknown layer kernels {name!r}; expected one of {KERNELS}")
+    if name == "torch":
+        return None
+    why = _cuda_missing()
+    if why is None:
+        try:
+            from . import layer_ops
+            return layer_ops
+        except Exception as exc:  # cuda-tile missing or broken
+            why = f"ssd.layer_ops failed to import ({type(exc).__name__}: {exc})"
+    raise BackendUnavailable(f"layer kernels 'cutile' are unavailable: {why}; use "
+                             "kernels='torch' (any device) instead")
+
+
 class SSDStep(nn.Module):
     """The SSD call of the mixer as a module of its own, so that a forward hook sees exactly
     the tensors the mixer passes (``ssd.tools.endtoend`` times the call alone on them).
@@ -410,6 +440,19 @@ def _param_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def causal_conv1d_torch(xBC, conv1d: nn.Conv1d):
+    """The layer's depthwise causal conv1d + SiLU in plain PyTorch (``kernels="torch"``).
+
+    xBC (b, l, conv_dim), any strides -> (b, l, conv_dim) contiguous. ``conv1d`` is depthwise
+    with padding k-1 on both sides: its first l outputs are the causal convolution."""
+    l = xBC.shape[1]
+    # Channels first for conv1d, keep the first l outputs, back to channels last and
+    # contiguous, so that the SSD gets x, B, C with unit stride along p and n (a backend would
+    # otherwise copy them inside the timed SSD call).
+    out = conv1d(xBC.transpose(1, 2))[..., :l]  # (b, conv_dim, l)
+    return F.silu(out.transpose(1, 2).contiguous())  # (b, l, conv_dim)
+
+
 class GatedRMSNorm(nn.Module):
     """Mamba-2's gated RMSNorm, gate before the norm and per group of ``group_size`` channels:
     ``out = rmsnorm_g(y * silu(z)) * weight``, computed in fp32 (fp64), returned in y's dtype."""
@@ -459,6 +502,9 @@ class Mamba2Mixer(nn.Module):
         config: the sizes (:class:`Mamba2Config`); the weights take ``config.dtype``.
         backend: the SSD step, one of :data:`BACKENDS`; change it later with
             :meth:`set_backend` (the weights stay).
+        kernels: the conv and norm around the SSD, one of :data:`KERNELS` ("torch": plain
+            PyTorch; "cutile": :mod:`ssd.layer_ops`, CUDA only); change it with
+            :meth:`set_kernels`.
         device: where the weights live (default: the CPU).
         seed: seeds the initialisation when ``generator`` is not given.
         generator: a torch.Generator on ``device`` (a stack passes one through its layers).
@@ -473,10 +519,12 @@ class Mamba2Mixer(nn.Module):
     ``forward(u)``: u (b, l, d_model) -> (b, l, d_model), both in config.dtype.
     """
 
-    def __init__(self, config: Mamba2Config, backend: str = "torch", *, device=None, seed: int = 0,
-                 generator: torch.Generator | None = None, out_scale: float = 1.0):
+    def __init__(self, config: Mamba2Config, backend: str = "torch", *, kernels: str = "torch",
+                 device=None, seed: int = 0, generator: torch.Generator | None = None,
+                 out_scale: float = 1.0):
         super().__init__()
         self.config = cfg = config
+        self.set_kernels(kernels)
         device = torch.device(device or "cpu")
         dtype, pdtype = cfg.torch_dtype, _param_dtype(cfg.torch_dtype)
         gen = generator or torch.Generator(device=device).manual_seed(seed)
@@ -520,6 +568,15 @@ class Mamba2Mixer(nn.Module):
         self.ssd.set_backend(backend, chunk_size)
         return self
 
+    def set_kernels(self, kernels: str) -> "Mamba2Mixer":
+        """Switch the conv and norm between plain PyTorch and cuTile (:data:`KERNELS`)."""
+        ops = kernel_ops(kernels)  # raises before anything changes
+        if ops is not None and self.config.d_conv > ops.MAX_WIDTH:
+            raise ValueError(f"kernels: the cuTile conv takes d_conv <= {ops.MAX_WIDTH}, this "
+                             f"layer's is {self.config.d_conv}")
+        self.kernels, self._ops = kernels, ops
+        return self
+
     @torch.no_grad()
     def forward(self, u):
         cfg = self.config
@@ -527,19 +584,23 @@ class Mamba2Mixer(nn.Module):
         b, l, _ = u.shape
         h, p, g, n = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
         zxbcdt = self.in_proj(u)  # (b, l, d_in_proj)
-        z, xBC, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, h], dim=-1)
-        # Depthwise causal conv over time: channels first for conv1d, keep the first l outputs,
-        # back to channels last and contiguous, so that the SSD gets x, B, C with unit stride
-        # along p and n (a backend would otherwise copy them inside the timed SSD call).
-        xBC = self.conv1d(xBC.transpose(1, 2))[..., :l]  # (b, conv_dim, l)
-        xBC = F.silu(xBC.transpose(1, 2).contiguous())  # (b, l, conv_dim)
+        z, xBC, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, h], dim=-1)  # views
+        # Depthwise causal conv over time + SiLU -> one contiguous (b, l, conv_dim) buffer.
+        if self._ops is None:
+            xBC = causal_conv1d_torch(xBC, self.conv1d)
+        else:  # reads the xBC columns of zxbcdt in place
+            xBC = self._ops.causal_conv1d(xBC, self.conv1d.weight[:, 0], self.conv1d.bias)
         x, B, C = torch.split(xBC, [cfg.d_inner, g * n, g * n], dim=-1)
         A = -torch.exp(self.A_log)  # (h,), < 0
         y = self.ssd(x.unflatten(-1, (h, p)),  # (b, l, h, p)
                      dt,  # (b, l, h), raw: the SSD adds dt_bias and applies softplus
                      A, B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),  # (b, l, g, n)
                      self.D, self.dt_bias)  # y: (b, l, h, p)
-        y = self.norm(y.flatten(-2), z)  # (b, l, d_inner)
+        if self._ops is None:
+            y = self.norm(y.flatten(-2), z)  # (b, l, d_inner)
+        else:  # z: the z columns of zxbcdt, read in place
+            y = self._ops.gated_rmsnorm(y.flatten(-2), z, self.norm.weight, self.norm.group_size,
+                                        self.norm.eps)
         return self.out_proj(y)  # (b, l, d_model)
 
 
@@ -550,13 +611,14 @@ class Mamba2Stack(nn.Module):
     Per layer ``residual = residual + mixer(norm(residual))``, with the residual stream in fp32
     (mamba_ssm's ``residual_in_fp32``) and the mixer's input cast to config.dtype; the result
     is ``norm_f(residual)`` in config.dtype. Layer i's weights come from one generator seeded
-    with ``seed`` and used in layer order; out_proj is scaled by 1/sqrt(n_layers).
+    with ``seed`` and used in layer order; out_proj is scaled by 1/sqrt(n_layers). ``backend``
+    and ``kernels`` as :class:`Mamba2Mixer`'s, for every layer.
 
     ``forward(u)``: u (b, l, d_model) -> hidden states (b, l, d_model).
     """
 
     def __init__(self, config: Mamba2Config, n_layers: int, backend: str = "torch", *,
-                 device=None, seed: int = 0):
+                 kernels: str = "torch", device=None, seed: int = 0):
         super().__init__()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers: expected a positive int, got {n_layers!r}")
@@ -567,7 +629,7 @@ class Mamba2Stack(nn.Module):
         self.norms = nn.ModuleList(RMSNorm(config.d_model, device=device, dtype=pdtype)
                                    for _ in range(n_layers))
         self.mixers = nn.ModuleList(
-            Mamba2Mixer(config, backend, device=device, generator=gen,
+            Mamba2Mixer(config, backend, kernels=kernels, device=device, generator=gen,
                         out_scale=1.0 / math.sqrt(n_layers)) for _ in range(n_layers))
         self.norm_f = RMSNorm(config.d_model, device=device, dtype=pdtype)
 
@@ -581,6 +643,12 @@ class Mamba2Stack(nn.Module):
             m.set_backend(backend, chunk_size)
         return self
 
+    def set_kernels(self, kernels: str) -> "Mamba2Stack":
+        self.mixers[0].set_kernels(kernels)  # fail before changing the others
+        for m in self.mixers[1:]:
+            m.set_kernels(kernels)
+        return self
+
     @torch.no_grad()
     def forward(self, u):
         _check_input(u, self.config, self.norm_f.weight.device)
@@ -592,6 +660,6 @@ class Mamba2Stack(nn.Module):
 
 
 __all__ = ["Mamba2Config", "PRESETS", "PRESET_LAYERS", "preset", "config_for_shape", "ssd_torch",
-           "ssd_reference_torch", "BACKENDS", "BackendUnavailable", "backend_function",
-           "available_backends", "SSDStep", "ssd_replaced", "capture_ssd_calls", "GatedRMSNorm",
-           "RMSNorm", "Mamba2Mixer", "Mamba2Stack"]
+           "ssd_reference_torch", "BACKENDS", "KERNELS", "BackendUnavailable", "backend_function",
+           "available_backends", "kernel_ops", "SSDStep", "ssd_replaced", "capture_ssd_calls",
+           "causal_conv1d_torch", "GatedRMSNorm", "RMSNorm", "Mamba2Mixer", "Mamba2Stack"]

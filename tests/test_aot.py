@@ -19,12 +19,13 @@ from ssd.tools import aot  # noqa: E402
 
 KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
            "chunk_scan_kernel", "fused_scan_kernel", "chunk_state_varlen_kernel",
-           "state_update_kernel"}
+           "state_update_kernel", "causal_conv1d_kernel", "gated_rmsnorm_kernel"}
 
 
-# Every kernel of the forward (both feature sets, fused and split stage 2, the one kernel) and
-# the decode step (an fp32 state and one of the inputs' dtype) for every arch in bf16, the dtype
-# models run in; fp32 and fp16 for sm_90. fp32 costs the most
+# Every kernel of the forward (both feature sets, fused and split stage 2, the one kernel), the
+# decode step (an fp32 state and one of the inputs' dtype) and the layer's conv (with and
+# without seq_idx and an initial state) and norm for every arch in bf16, the dtype models run
+# in; fp32 and fp16 for sm_90. fp32 costs the most
 # compile time (over a minute an arch on a 2-core CPU). The risk this leaves: a compile failure
 # of one dtype on sm_80 or sm_100 alone (the GPU tests run every dtype on sm_90).
 @pytest.mark.parametrize("dtype, archs", [("bfloat16", aot.ARCHS), ("float32", ("sm_90",)),
@@ -564,3 +565,12 @@ def test_decode_step_reads_a_per_head_value_once_a_block(features, widths):
     assert tuple(args[k] for k in ("DT_W", "BIAS_W", "D_W", "A_WP", "A_WN")) == widths
     if features == "layer":
         assert args["dt"].shape[-1] == args["D"].shape[-1] == 1 and args["A"].shape[1:] == (1, 1)
+
+
+def test_layer_kernels_do_not_spill():
+    """The layer's conv and norm on sm_90 at the 2.7b layer's widths (the norm's widest shipped
+    tile: one group of 5120 channels padded to 8192, one row a block) keep everything in
+    registers: no stack."""
+    for record in aot.capture_layer("bfloat16", "none", preset="2.7b"):
+        use = aot.resource_usage(aot.export_cubin(record, "sm_90"))
+        assert use["stack_bytes"] == 0, (record.kernel._pyfunc.__name__, use)

@@ -68,12 +68,16 @@ def test_a_launch_names_every_argument_and_only_those():
 
 
 def test_int64_indexing_only_past_2_31_elements():
-    """A view of 2**31 + 2**16 elements (stride 0: no memory) switches the index type."""
+    """A view of 2**31 + 2**16 elements (stride 0: no memory) switches the index type, and so
+    does a view whose elements lie 2**31 apart."""
     small = torch.empty(4, 4, dtype=torch.bfloat16)
     big = torch.empty(1, 1, dtype=torch.bfloat16).expand(2**16, 2**15 + 1)
     assert big.numel() > launch.INT32_MAX
     assert launch.index_dtype_for(small) == ct.int32
     assert launch.index_dtype_for(small, big) == ct.int64
+    # A column slice of a wider tensor: few elements, offsets past 2**31 (no memory: meta).
+    columns = torch.empty(2**16, 2**15 + 8, device="meta")[:, :8]
+    assert columns.numel() < launch.INT32_MAX and launch.index_dtype_for(columns) == ct.int64
     with launch.capture() as rec:
         primer.scale_add(small, small, 1.0)
         primer.scale_add(big, big, 1.0, out=big)

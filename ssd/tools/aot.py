@@ -154,9 +154,43 @@ def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims
     return records
 
 
+def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 2,
+                  seqlen: int = 300):
+    """Run the launchers of the layer's conv and norm (:mod:`ssd.kernels.causal_conv1d`,
+    :mod:`ssd.kernels.gated_rmsnorm`) on empty CPU tensors in the layouts the mixer hands them,
+    and return the recorded launches: xBC and z column slices of in_proj's (b, l, d_in_proj)
+    output, y the SSD's contiguous output, for the ``preset`` layer (``ssd.layer.PRESETS``) at
+    ``batch`` x ``seqlen`` (the default has a partial last row block).
+
+    features: "none" (as the mixer calls them: bias and SiLU) or "all" (the conv with seq_idx
+    and an initial conv state as well; the norm has no options)."""
+    import torch
+
+    from ..kernels.causal_conv1d import causal_conv1d
+    from ..kernels.gated_rmsnorm import gated_rmsnorm
+    from ..layer import PRESETS
+
+    if features not in ("none", "all"):
+        raise ValueError(f"features: expected 'none' or 'all', got {features!r}")
+    cfg, t = PRESETS[preset], getattr(torch, dtype)
+    b, l = batch, seqlen
+    zxbcdt = torch.empty(b, l, cfg.d_in_proj, dtype=t)
+    z, xBC = zxbcdt[..., :cfg.d_inner], zxbcdt[..., cfg.d_inner:cfg.d_inner + cfg.conv_dim]
+    extra = {}
+    if features == "all":
+        extra = dict(seq_idx=torch.zeros(b, l, dtype=torch.int32),
+                     initial_states=torch.empty(b, cfg.conv_dim, cfg.d_conv - 1, dtype=t))
+    with launch.capture() as records:
+        causal_conv1d(xBC, torch.empty(cfg.conv_dim, cfg.d_conv, dtype=t),
+                      torch.empty(cfg.conv_dim, dtype=t), **extra)
+        gated_rmsnorm(torch.empty(b, l, cfg.d_inner, dtype=t), z, torch.empty(cfg.d_inner),
+                      cfg.d_inner // cfg.ngroups, 1e-5)
+    return records
+
+
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
-    """Export every distinct (kernel, signature) of the forward and of the decode step for
-    each arch."""
+    """Export every distinct (kernel, signature) of the forward, of the decode step and of the
+    layer's conv and norm (:func:`capture_layer`) for each arch."""
     from ..config import FusedScanConfig, SSDConfig
 
     done, seen = [], set()
@@ -181,6 +215,7 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
             records += capture_decode(dtype, features, "float32")
             if features == "all":
                 records += capture_decode(dtype, "layer", dtype)
+            records += capture_layer(dtype, features)
             for record in records:
                 sig = launch.signature(record)
                 key = (record.kernel, repr(sig))

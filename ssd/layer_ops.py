@@ -1,0 +1,160 @@
+"""The Mamba-2 layer's operations around the SSD, in cuTile: the public entry points.
+
+* :func:`causal_conv1d` -- the depthwise causal conv1d with bias and SiLU over xBC
+  (:mod:`ssd.kernels.causal_conv1d`), reading xBC where in_proj wrote it and writing the
+  contiguous buffer that the SSD reads x, B and C from as views;
+* :func:`gated_rmsnorm` -- the gated RMSNorm per group, y * silu(z) normalised and scaled, in
+  one pass (:mod:`ssd.kernels.gated_rmsnorm`).
+
+Each checks its arguments (errors name the argument; shapes by the same contract as the float64
+references of :mod:`ssd.layer_reference`), then launches its kernel on the inputs' device and
+current stream. Like the SSD's forward, they check no values (that would synchronise) and run
+the forward only. ``ssd.layer.Mamba2Mixer(kernels="cutile")`` calls them.
+
+How they differ from mamba_ssm's: its ``causal_conv1d_fn`` takes x as (b, c, l) (a transposed
+view of in_proj's output) and refuses seq_idx with initial_states together; here x is (b, l, c)
+and the two combine as in the SSD (the initial state feeds sequence 0). Its fused
+``mamba_split_conv1d_scan_combined`` also splits in_proj's output and runs the conv, the SSD and
+the norm in one call; here each is a call of its own.
+"""
+from __future__ import annotations
+
+import torch
+
+from .config import Conv1dConfig, GatedNormConfig
+from .kernels import causal_conv1d as _conv
+from .kernels import gated_rmsnorm as _norm
+from .layer_reference import conv1d_dims, norm_dims
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ACTIVATIONS = (None, "silu", "swish")
+MAX_WIDTH = _conv.MAX_WIDTH
+MAX_GROUP = _norm.MAX_GROUP
+
+
+def _check_tensors(device, specs):
+    """Each (name, tensor or None, dtypes, optional): a tensor of one of ``dtypes`` on
+    ``device``, without a gradient to compute."""
+    for name, t, dtypes, optional in specs:
+        if t is None:
+            if optional:
+                continue
+            raise TypeError(f"{name}: expected a torch.Tensor, got None")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but the first input is on {device}; all "
+                             "inputs must share one CUDA device")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of "
+                            f"{', '.join(str(d) for d in dtypes)}")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError(
+                f"{name}: requires grad, but the layer's kernels have no backward yet; run "
+                "under torch.no_grad() / torch.inference_mode()")
+
+
+def _check_cuda(name, t):
+    # Last, so that every other error reads the same on any machine (and is tested on the CPU).
+    if t.device.type != "cuda":
+        raise ValueError(f"{name}: must be a CUDA tensor (got device {t.device}); the cuTile "
+                         "kernels run on NVIDIA GPUs only. On the CPU use ssd.layer_reference.")
+
+
+def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, activation="silu", *,
+                  config: Conv1dConfig | None = None, out=None):
+    """Depthwise causal conv1d over time with bias and SiLU, on xBC in in_proj's layout.
+
+    ``out[b, t, c] = act(bias[c] + sum_k weight[c, k] * x[b, t - (w-1) + k, c])``, with x read as
+    0 before the sequence start (or from ``initial_states``) and across a change of ``seq_idx``.
+    fp32 accumulation, one rounding to x's dtype (:func:`ssd.layer_reference.causal_conv1d`).
+
+    Args:
+        x: (b, l, c) fp32 / bf16 / fp16 on a CUDA device, any strides: in the layer, the xBC
+            columns of in_proj's (b, l, d_in_proj) output, read in place.
+        weight: (c, w), 1 <= w <= MAX_WIDTH (``conv1d.weight[:, 0]``), any float dtype.
+        bias: optional (c,).
+        seq_idx: optional (b, l) int32 / int64, >= 0 and non-decreasing (not checked: the
+            check would synchronise): packed sequences, the history zeroed at a change.
+        initial_states: optional (b, c, w-1), the w-1 inputs before position 0, oldest first.
+        activation: "silu" (or "swish") or None.
+        config: tile sizes (:class:`ssd.config.Conv1dConfig`).
+        out: optional contiguous (b, l, c) tensor of x's dtype to write into.
+    Returns:
+        (b, l, c) contiguous, in x's dtype: the SSD's x, B and C are its column views.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    _check_tensors(x.device, (
+        ("x", x, FLOAT_DTYPES, False), ("weight", weight, FLOAT_DTYPES, False),
+        ("bias", bias, FLOAT_DTYPES, True), ("seq_idx", seq_idx, (torch.int32, torch.int64), True),
+        ("initial_states", initial_states, FLOAT_DTYPES, True), ("out", out, (x.dtype,), True)))
+    b, l, c, w = conv1d_dims(**{k: None if t is None else tuple(t.shape) for k, t in dict(
+        x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states).items()})
+    if w > MAX_WIDTH:
+        raise ValueError(f"weight: width {w} is wider than the {MAX_WIDTH} the kernel is built "
+                         f"for (Mamba-2's d_conv is 4)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    if out is not None and (tuple(out.shape) != (b, l, c) or not out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous ({b}, {l}, {c}) tensor, got shape "
+                         f"{tuple(out.shape)}, strides {out.stride()}")
+    _check_cuda("x", x)
+    return _conv.causal_conv1d(x, weight, bias, seq_idx=seq_idx, initial_states=initial_states,
+                               silu=activation is not None, config=config or Conv1dConfig(),
+                               out=out)
+
+
+def gated_rmsnorm(y, z, weight, group_size=None, eps=1e-5, *,
+                  config: GatedNormConfig | None = None, out=None):
+    """Mamba-2's gated RMSNorm per group, gate before the norm, in one pass:
+    ``v = y * silu(z)``, ``out = v / sqrt(mean_group(v^2) + eps) * weight`` in fp32, returned in
+    y's dtype (mamba_ssm's ``RMSNormGated(norm_before_gate=False)``;
+    :func:`ssd.layer_reference.gated_rmsnorm`).
+
+    Args:
+        y: (..., d) fp32 / bf16 / fp16 on a CUDA device (in the layer, the SSD's y flattened
+            to (b, l, d_inner)).
+        z: (..., d), y's shape, any float dtype (in the layer, the z columns of in_proj's
+            output, read in place).
+        weight: (d,), any float dtype.
+        group_size: channels a group, dividing d, at most MAX_GROUP (None: d, one group; the
+            layer's is d_inner / ngroups).
+        eps: added to the mean square, > 0.
+        config: rows a block (:class:`ssd.config.GatedNormConfig`).
+        out: optional contiguous tensor of y's shape and dtype to write into.
+    Y and z must have a unit stride along d and leading axes that flatten without a copy.
+    Returns:
+        (..., d) contiguous, in y's dtype.
+    """
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y: expected a torch.Tensor, got {type(y).__name__}")
+    _check_tensors(y.device, (
+        ("y", y, FLOAT_DTYPES, False), ("z", z, FLOAT_DTYPES, False),
+        ("weight", weight, FLOAT_DTYPES + (torch.float64,), False),
+        ("out", out, (y.dtype,), True)))
+    m, d, g, group_size = norm_dims(y=tuple(y.shape), z=tuple(z.shape),
+                                    weight=tuple(weight.shape), group_size=group_size)
+    if group_size > MAX_GROUP:
+        raise ValueError(f"group_size: {group_size} channels a group is more than the "
+                         f"{MAX_GROUP} the kernel keeps on chip")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: expected a positive number, got {eps!r}")
+    for name, t in (("y", y), ("z", z)):
+        if d > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected a unit stride along the channels, got strides "
+                             f"{t.stride()}")
+        try:
+            t.view(m, d)
+        except RuntimeError as exc:
+            raise ValueError(f"{name}: its leading axes do not flatten without a copy (strides "
+                             f"{t.stride()}); pass .contiguous()") from exc
+    if out is not None and (out.shape != y.shape or not out.is_contiguous()):
+        raise ValueError(f"out: expected a contiguous tensor of shape {tuple(y.shape)}, got "
+                         f"shape {tuple(out.shape)}, strides {out.stride()}")
+    _check_cuda("y", y)
+    return _norm.gated_rmsnorm(y, z, weight.to(torch.float32), group_size, float(eps),
+                               config=config or GatedNormConfig(), out=out)
+
+
+__all__ = ["causal_conv1d", "gated_rmsnorm", "MAX_WIDTH", "MAX_GROUP"]

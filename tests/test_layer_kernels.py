@@ -1,0 +1,316 @@
+"""The layer's conv and norm on the CPU: the float64 references of ssd.layer_reference equal the
+layer's PyTorch path (and independent constructions for seq_idx and the initial conv state), the
+mixer hands ssd.layer_ops tensors that meet its contract, and every bad argument is a clear error.
+
+The GPU kernels themselves are checked in tests/test_gpu_layer_kernels.py; their AOT compile in
+tests/test_aot.py. Error metric: the largest absolute difference, in float64, where every
+construction should agree to round-off (~1e-16 of values of order 1): 1e-12.
+"""
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import ssd.layer  # noqa: E402
+from ssd import layer_reference as ref  # noqa: E402
+from ssd.layer import (BackendUnavailable, GatedRMSNorm, Mamba2Config,  # noqa: E402
+                       Mamba2Mixer, Mamba2Stack, causal_conv1d_torch, kernel_ops)
+
+F64_ATOL = 1e-12
+
+
+def torch_conv(c, w, seed):
+    """A depthwise causal nn.Conv1d as the mixer builds it, float64, random weights and bias."""
+    conv = torch.nn.Conv1d(c, c, w, groups=c, padding=w - 1, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(c, 1, w, generator=gen, dtype=torch.float64))
+        conv.bias.copy_(torch.randn(c, generator=gen, dtype=torch.float64))
+    return conv
+
+
+def np64(t):
+    return t.detach().numpy()
+
+
+def close(a, b, label):
+    err = float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    print(f"{label}: max abs diff {err:.1e}")
+    assert err <= F64_ATOL, f"{label}: max abs diff {err:.3e} > {F64_ATOL}"
+
+
+# (b, l, c, w): seqlen 1, seqlen shorter than the width, odd channel counts, every width <= 4.
+CONV_SHAPES = [(2, 37, 24, 4), (1, 1, 5, 4), (3, 2, 7, 4), (2, 19, 33, 3), (1, 8, 3, 2),
+               (2, 5, 6, 1)]
+
+
+@pytest.mark.parametrize("b, l, c, w", CONV_SHAPES)
+def test_conv_reference_is_the_layer_path(b, l, c, w):
+    """The reference equals causal_conv1d_torch (nn.Conv1d over transposed xBC, then SiLU), the
+    mixer's kernels="torch" path, on a column slice of a wider tensor as in_proj writes it; and
+    without the activation, the convolution itself."""
+    conv = torch_conv(c, w, seed=l)
+    zxbcdt = torch.randn(b, l, c + 9, dtype=torch.float64)
+    xBC = zxbcdt[..., 4:4 + c]  # rows c + 9 apart, as in the mixer
+    with torch.no_grad():
+        want = causal_conv1d_torch(xBC, conv)
+        plain = conv(xBC.transpose(1, 2))[..., :l].transpose(1, 2)
+    weight, bias = np64(conv.weight[:, 0]), np64(conv.bias)
+    close(ref.causal_conv1d(np64(xBC), weight, bias), want, "silu(conv)")
+    close(ref.causal_conv1d(np64(xBC), weight, bias, activation=None), plain, "conv")
+
+
+def segments(row):
+    """[(start, stop)] of the runs of equal ids in a 1-D seq_idx row."""
+    cuts = [0, *(np.flatnonzero(np.diff(row)) + 1), len(row)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def test_conv_reference_with_seq_idx_is_per_sequence():
+    """Packed sequences: the reference equals the layer's conv run on every sequence alone (the
+    history restarts at each change of seq_idx, including one a tap's width before another)."""
+    b, l, c, w = 2, 23, 6, 4
+    conv = torch_conv(c, w, seed=1)
+    x = torch.randn(b, l, c, dtype=torch.float64)
+    seq_idx = np.array([[0] * 5 + [1] * 2 + [2] * 9 + [3] * 7, [2] * 1 + [3] * 22])
+    got = ref.causal_conv1d(np64(x), np64(conv.weight[:, 0]), np64(conv.bias), seq_idx=seq_idx)
+    with torch.no_grad():
+        for i in range(b):
+            for start, stop in segments(seq_idx[i]):
+                want = causal_conv1d_torch(x[i:i + 1, start:stop], conv)[0]
+                close(got[i, start:stop], want, f"row {i} sequence [{start}, {stop})")
+
+
+def test_conv_reference_with_initial_states_continues_the_sequence():
+    """An initial conv state is the w-1 inputs before position 0 (oldest first): the reference
+    equals the layer's conv over [state, x] with the first w-1 outputs dropped; with seq_idx it
+    feeds only a row whose first sequence is 0 (the SSD's virtual seq_idx before the start)."""
+    b, l, c, w = 2, 11, 5, 4
+    conv = torch_conv(c, w, seed=2)
+    x = torch.randn(b, l, c, dtype=torch.float64)
+    state = torch.randn(b, c, w - 1, dtype=torch.float64)
+    weight, bias = np64(conv.weight[:, 0]), np64(conv.bias)
+    with torch.no_grad():
+        want = causal_conv1d_torch(torch.cat([state.transpose(1, 2), x], dim=1), conv)[:, w - 1:]
+    close(ref.causal_conv1d(np64(x), weight, bias, initial_states=np64(state)), want, "state")
+    seq_idx = np.array([[0] * 4 + [1] * 7, [1] * 11])
+    got = ref.causal_conv1d(np64(x), weight, bias, seq_idx=seq_idx, initial_states=np64(state))
+    close(got[0, :4], want[0, :4], "state feeds sequence 0")
+    close(got[1], ref.causal_conv1d(np64(x[1:]), weight, bias)[0], "not sequence 1")
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_norm_reference_is_the_layer_path(groups):
+    """The reference equals the layer's GatedRMSNorm module (fp64 in an fp64 layer), per group,
+    with a weight that is not all ones."""
+    d = 48
+    norm = GatedRMSNorm(d, d // groups, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(groups)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=gen, dtype=torch.float64))
+    y, z = (torch.randn(2, 7, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        want = norm(y, z)
+    close(ref.gated_rmsnorm(np64(y), np64(z), np64(norm.weight), d // groups, norm.eps), want,
+          f"{groups} groups")
+
+
+def test_norm_reference_groups_are_independent():
+    """Scaling one group's y changes no other group's output and leaves its own unchanged (the
+    norm divides the scale out): a norm over the full width would fail both."""
+    y, z = np.random.default_rng(0).standard_normal((2, 3, 2, 16))
+    w = np.ones(16)
+    out = ref.gated_rmsnorm(y, z, w, 8, eps=0.0)
+    y2 = y.copy()
+    y2[..., :8] *= 10.0
+    close(ref.gated_rmsnorm(y2, z, w, 8, eps=0.0), out, "group scaled")
+
+
+# ----------------------------------------------------------------------------- the mixer
+
+
+def as_fp32(t):
+    """An fp32 tensor of ``t``'s sizes and strides (the kernels take no float64)."""
+    return torch.empty_strided(t.size(), t.stride(), dtype=torch.float32)
+
+
+def reference_ops(calls):
+    """Stand-ins for ssd.layer_ops that first show the mixer's tensors meet its contract (the
+    real functions, given fp32 tensors of the same sizes and strides, get as far as the device
+    check, which a CPU tensor fails last), then compute with the float64 references. ``calls``
+    collects (name, the strides of xBC or z)."""
+    pytest.importorskip("cuda.tile")
+    from ssd import layer_ops
+
+    def causal_conv1d(x, weight, bias):
+        with pytest.raises(ValueError, match="x: must be a CUDA tensor"):
+            layer_ops.causal_conv1d(*map(as_fp32, (x, weight, bias)))
+        calls.append(("causal_conv1d", x.stride()))
+        out = ref.causal_conv1d(np64(x), np64(weight), np64(bias))
+        return torch.from_numpy(out).to(x.dtype)
+
+    def gated_rmsnorm(y, z, weight, group_size, eps):
+        with pytest.raises(ValueError, match="y: must be a CUDA tensor"):
+            layer_ops.gated_rmsnorm(*map(as_fp32, (y, z, weight)), group_size, eps)
+        calls.append(("gated_rmsnorm", z.stride()))
+        out = ref.gated_rmsnorm(np64(y), np64(z), np64(weight), group_size, eps)
+        return torch.from_numpy(out).to(y.dtype)
+
+    return types.SimpleNamespace(causal_conv1d=causal_conv1d, gated_rmsnorm=gated_rmsnorm,
+                                 MAX_WIDTH=layer_ops.MAX_WIDTH)
+
+
+@pytest.mark.parametrize("d_conv, ngroups", [(4, 1), (4, 2), (3, 4)])
+def test_mixer_hands_the_cutile_path_in_place_views(monkeypatch, d_conv, ngroups):
+    """kernels="cutile" wired to the references equals kernels="torch" in float64: the conv gets
+    xBC and the norm z as column slices of in_proj's output (rows d_in_proj apart, no copy),
+    with the layer's weights, group size and eps."""
+    calls = []
+    ops = reference_ops(calls)
+    monkeypatch.setattr(ssd.layer, "kernel_ops", lambda name: ops if name == "cutile" else None)
+    config = Mamba2Config(d_model=32, d_state=8, d_conv=d_conv, headdim=8, ngroups=ngroups,
+                          chunk_size=16, dtype="float64")
+    mixer = Mamba2Mixer(config, "torch", seed=3)
+    u = torch.randn(2, 29, config.d_model, dtype=torch.float64)
+    want = mixer(u)
+    got = mixer.set_kernels("cutile")(u)
+    assert mixer.kernels == "cutile"
+    close(got, want, f"mixer d_conv {d_conv} ngroups {ngroups}")
+    row = config.d_in_proj
+    assert calls == [("causal_conv1d", (29 * row, row, 1)), ("gated_rmsnorm", (29 * row, row, 1))]
+    close(mixer.set_kernels("torch")(u), want, "back to torch")
+
+
+def test_stack_sets_the_kernels_of_every_layer(monkeypatch):
+    ops = reference_ops([])
+    monkeypatch.setattr(ssd.layer, "kernel_ops", lambda name: ops if name == "cutile" else None)
+    config = Mamba2Config(d_model=16, d_state=4, headdim=8, chunk_size=16, dtype="float64")
+    stack = Mamba2Stack(config, 2, kernels="cutile")
+    assert [m.kernels for m in stack.mixers] == ["cutile", "cutile"]
+    u = torch.randn(1, 9, 16, dtype=torch.float64)
+    close(stack(u), stack.set_kernels("torch")(u), "stack")
+
+
+def test_kernels_name_and_availability_are_clear_errors(monkeypatch):
+    config = Mamba2Config(d_model=16, d_state=4, headdim=8, chunk_size=16, dtype="float64")
+    with pytest.raises(ValueError, match=r"kernels: unknown layer kernels 'triton'"):
+        Mamba2Mixer(config, kernels="triton")
+    assert kernel_ops("torch") is None
+    monkeypatch.setattr(ssd.layer, "_cuda_missing", lambda: "no CUDA GPU (stand-in)")
+    with pytest.raises(BackendUnavailable, match=r"'cutile' are unavailable: no CUDA GPU "
+                                                 r"\(stand-in\); use kernels='torch'"):
+        Mamba2Mixer(config, kernels="cutile")
+    mixer = Mamba2Mixer(config)
+    with pytest.raises(BackendUnavailable):
+        mixer.set_kernels("cutile")
+    assert mixer.kernels == "torch"  # unchanged
+    monkeypatch.setattr(ssd.layer, "_cuda_missing", lambda: None)
+    pytest.importorskip("cuda.tile")
+    with pytest.raises(ValueError, match="kernels: the cuTile conv takes d_conv <= 4"):
+        Mamba2Mixer(Mamba2Config(d_model=16, d_state=4, d_conv=5, headdim=8), kernels="cutile")
+
+
+# ----------------------------------------------------------------------------- argument errors
+
+
+def conv_args(**change):
+    b, l, c, w = 2, 10, 6, 4
+    args = dict(x=torch.randn(b, l, c), weight=torch.randn(c, w), bias=torch.randn(c),
+                seq_idx=torch.zeros(b, l, dtype=torch.int32),
+                initial_states=torch.randn(b, c, w - 1))
+    args.update(change)
+    return args
+
+
+CONV_ERRORS = {
+    "x 2-D": (dict(x=torch.randn(10, 6)), ValueError, r"x: expected \(batch, seqlen, channels\)"),
+    "x empty": (dict(x=torch.randn(2, 0, 6)), ValueError, "x: expected a non-empty"),
+    "x float64": (dict(x=torch.randn(2, 10, 6, dtype=torch.float64)), TypeError,
+                  "x: dtype torch.float64 is not supported"),
+    "x not a tensor": (dict(x=np.zeros((2, 10, 6))), TypeError, "x: expected a torch.Tensor"),
+    "weight channels": (dict(weight=torch.randn(5, 4)), ValueError,
+                        r"weight: expected \(channels=6, width >= 1\)"),
+    "weight too wide": (dict(weight=torch.randn(6, 5), initial_states=None), ValueError,
+                        "weight: width 5 is wider than the 4"),
+    "weight 3-D": (dict(weight=torch.randn(6, 1, 4)), ValueError, r"weight: expected \(channels"),
+    "bias": (dict(bias=torch.randn(5)), ValueError, r"bias: expected \(6,\)"),
+    "seq_idx shape": (dict(seq_idx=torch.zeros(2, 9, dtype=torch.int32)), ValueError,
+                      r"seq_idx: expected \(batch=2, seqlen=10\)"),
+    "seq_idx float": (dict(seq_idx=torch.zeros(2, 10)), TypeError, "seq_idx: dtype torch.float32"),
+    "initial_states": (dict(initial_states=torch.randn(2, 6, 4)), ValueError,
+                       r"initial_states: expected \(batch=2, channels=6, width-1=3\)"),
+    "device": (dict(bias=torch.randn(6, device="meta")), ValueError,
+               "bias: on meta, but the first input is on cpu"),
+    "grad": (dict(weight=torch.randn(6, 4, requires_grad=True)), NotImplementedError,
+             "weight: requires grad"),
+    "activation": (dict(activation="relu"), ValueError, "activation: expected one of"),
+    "out": (dict(out=torch.empty(2, 10, 7)), ValueError, r"out: expected a contiguous \(2, 10, 6\)"),
+    "out dtype": (dict(out=torch.empty(2, 10, 6, dtype=torch.float16)), TypeError, "out: dtype"),
+    "cpu": ({}, ValueError, "x: must be a CUDA tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONV_ERRORS))
+def test_conv_argument_errors(case):
+    """Every check of ssd.layer_ops.causal_conv1d names the argument; the device check comes
+    last, so each reads the same on a GPU machine."""
+    pytest.importorskip("cuda.tile")
+    from ssd.layer_ops import causal_conv1d
+
+    change, error, message = CONV_ERRORS[case]
+    with pytest.raises(error, match=message):
+        causal_conv1d(**conv_args(**change))
+
+
+def norm_args(**change):
+    args = dict(y=torch.randn(2, 5, 12), z=torch.randn(2, 5, 12), weight=torch.randn(12),
+                group_size=4, eps=1e-5)
+    args.update(change)
+    return args
+
+
+NORM_ERRORS = {
+    "y 0-D": (dict(y=torch.tensor(1.0)), ValueError, r"y: expected \(\.\.\., channels\)"),
+    "y no rows": (dict(y=torch.randn(0, 12), z=torch.randn(0, 12)), ValueError,
+                  "y: expected at least one row"),
+    "z shape": (dict(z=torch.randn(2, 5, 11)), ValueError, r"z: expected y's shape \(2, 5, 12\)"),
+    "weight shape": (dict(weight=torch.randn(11)), ValueError, r"weight: expected \(12,\)"),
+    "group_size": (dict(group_size=5), ValueError, "group_size: expected a positive divisor"),
+    "group_size bool": (dict(group_size=True), ValueError, "group_size: expected a positive"),
+    "group too wide": (dict(y=torch.randn(1, 16384), z=torch.randn(1, 16384),
+                            weight=torch.randn(16384), group_size=None), ValueError,
+                       "group_size: 16384 channels a group is more than the 8192"),
+    "eps": (dict(eps=0.0), ValueError, "eps: expected a positive number"),
+    "z dtype": (dict(z=torch.zeros(2, 5, 12, dtype=torch.int32)), TypeError, "z: dtype torch.int32"),
+    "z strided": (dict(z=torch.randn(2, 5, 24)[..., ::2]), ValueError,
+                  "z: expected a unit stride along the channels"),
+    "y not flat": (dict(y=torch.randn(5, 2, 12).transpose(0, 1)), ValueError,
+                   "y: its leading axes do not flatten without a copy"),
+    "out": (dict(out=torch.empty(2, 5, 13)), ValueError, r"out: expected a contiguous tensor"),
+    "cpu": ({}, ValueError, "y: must be a CUDA tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(NORM_ERRORS))
+def test_norm_argument_errors(case):
+    pytest.importorskip("cuda.tile")
+    from ssd.layer_ops import gated_rmsnorm
+
+    change, error, message = NORM_ERRORS[case]
+    with pytest.raises(error, match=message):
+        gated_rmsnorm(**norm_args(**change))
+
+
+def test_reference_argument_errors():
+    """The references share the contract, and reject what they cannot define."""
+    x, w = np.zeros((1, 4, 3)), np.zeros((3, 2))
+    with pytest.raises(ValueError, match=r"initial_states: expected \(batch=1, channels=3"):
+        ref.causal_conv1d(x, w, initial_states=np.zeros((1, 3, 2)))
+    with pytest.raises(ValueError, match="seq_idx: must be non-decreasing"):
+        ref.causal_conv1d(x, w, seq_idx=np.array([[0, 1, 0, 1]]))
+    with pytest.raises(ValueError, match="activation: expected None, 'silu' or 'swish'"):
+        ref.causal_conv1d(x, w, activation="gelu")
+    with pytest.raises(ValueError, match="group_size: expected a positive divisor of the 3"):
+        ref.gated_rmsnorm(x, x, np.ones(3), group_size=2)
