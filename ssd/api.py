@@ -41,7 +41,10 @@ MAX_DSTATE = 256
 CHUNK_SIZES = (16, 32, 64, 128, 256)
 
 
-def _check_tensor(name, t, device, dtypes=FLOAT_DTYPES, optional=False):
+def check_tensor(name, t, device, dtypes=FLOAT_DTYPES, optional=False, first="x"):
+    """``t`` (argument ``name``) is a tensor of one of ``dtypes`` on ``device``, the device of the
+    argument ``first``; None passes where ``optional``. Raises TypeError or ValueError naming
+    the argument."""
     if t is None:
         if optional:
             return
@@ -49,8 +52,8 @@ def _check_tensor(name, t, device, dtypes=FLOAT_DTYPES, optional=False):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device != device:
-        raise ValueError(f"{name}: on {t.device}, but x is on {device}; all inputs must share "
-                         "one CUDA device")
+        raise ValueError(f"{name}: on {t.device}, but {first} is on {device}; all inputs must "
+                         "share one CUDA device")
     if t.dtype not in dtypes:
         raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of "
                         f"{', '.join(str(d) for d in dtypes)}")
@@ -76,14 +79,14 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
     for name, t, opt in (("dt", dt, False), ("A", A, False), ("B", B, False), ("C", C, False),
                          ("D", D, True), ("z", z, True), ("dt_bias", dt_bias, True),
                          ("initial_states", initial_states, True)):
-        _check_tensor(name, t, x.device, optional=opt)
-    _check_tensor("x", x, x.device)
-    _check_tensor("seq_idx", seq_idx, x.device, dtypes=(torch.int32, torch.int64), optional=True)
+        check_tensor(name, t, x.device, optional=opt)
+    check_tensor("x", x, x.device)
+    check_tensor("seq_idx", seq_idx, x.device, dtypes=(torch.int32, torch.int64), optional=True)
     if return_varlen_states:
         if cu_seqlens is None:
             raise ValueError("return_varlen_states: needs cu_seqlens, the (num_sequences + 1,) "
                              "offsets of the packed sequences")
-        _check_tensor("cu_seqlens", cu_seqlens, x.device, dtypes=(torch.int32, torch.int64))
+        check_tensor("cu_seqlens", cu_seqlens, x.device, dtypes=(torch.int32, torch.int64))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: the cuTile kernels take a power of two in {CHUNK_SIZES} "
                          f"(one chunk is one tile), got {chunk_size!r}")

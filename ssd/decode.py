@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .api import MAX_DSTATE, _check_tensor, _last_dim_contiguous
+from .api import MAX_DSTATE, check_tensor, _last_dim_contiguous
 from .config import StateUpdateConfig, state_update_config
 from .kernels import state_update as _state_update
 from .reference import _check_dt_limit, check_step_shapes
@@ -48,9 +48,9 @@ def validate_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     for name, t, opt in (("state", state, False), ("dt", dt, False), ("A", A, False),
                          ("B", B, False), ("C", C, False), ("D", D, True), ("z", z, True),
                          ("dt_bias", dt_bias, True)):
-        _check_tensor(name, t, x.device, optional=opt)
-    _check_tensor("x", x, x.device)
-    _check_tensor("state_batch_indices", state_batch_indices, x.device, dtypes=INDEX_DTYPES,
+        check_tensor(name, t, x.device, optional=opt)
+    check_tensor("x", x, x.device)
+    check_tensor("state_batch_indices", state_batch_indices, x.device, dtypes=INDEX_DTYPES,
                   optional=True)
     dims = check_step_shapes(**{
         name: None if t is None else tuple(t.shape)
@@ -67,7 +67,7 @@ def validate_step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if dt_limit is not None:
         _check_dt_limit(dt_limit)
     if out is not None:
-        _check_tensor("out", out, x.device, dtypes=(x.dtype,))
+        check_tensor("out", out, x.device, dtypes=(x.dtype,))
         if out.shape != x.shape:
             raise ValueError(f"out: expected shape {tuple(x.shape)} (that of x), got "
                              f"{tuple(out.shape)}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .api import check_tensor
 from .config import Conv1dConfig, GatedNormConfig
 from .kernels import causal_conv1d as _conv
 from .kernels import gated_rmsnorm as _norm
@@ -34,20 +35,11 @@ MAX_GROUP = _norm.MAX_GROUP
 
 def _check_tensors(device, specs):
     """Each (name, tensor or None, dtypes, optional): a tensor of one of ``dtypes`` on
-    ``device``, without a gradient to compute."""
+    ``device`` (the first input's), without a gradient to compute."""
     for name, t, dtypes, optional in specs:
+        check_tensor(name, t, device, dtypes, optional, first="the first input")
         if t is None:
-            if optional:
-                continue
-            raise TypeError(f"{name}: expected a torch.Tensor, got None")
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        if t.device != device:
-            raise ValueError(f"{name}: on {t.device}, but the first input is on {device}; all "
-                             "inputs must share one CUDA device")
-        if t.dtype not in dtypes:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported; expected one of "
-                            f"{', '.join(str(d) for d in dtypes)}")
+            continue
         if t.requires_grad and torch.is_grad_enabled():
             raise NotImplementedError(
                 f"{name}: requires grad, but the layer's kernels have no backward yet; run "

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from ssd import reference as R
 from ssd import reference_backward as RB
 from ssd.problem import EDGE_SHAPES, ProblemSpec
+from test_reference import assert_close, flags  # the forward ladder's comparison
 
 # Tolerances.
 # Rung against rung: both compute in float64 sums of at most a few hundred O(1) products
@@ -25,24 +26,6 @@ RTOL = 1e-12
 # 1, a missing clamp mask, a dropped decay term) is off by >= 1e-3.
 EPS = 1e-6
 FD_RTOL = 1e-6
-
-
-def assert_close(actual, expected, name, rtol=RTOL):
-    """Relative Frobenius error AND max-abs error (scaled by max(1, max|expected|))."""
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    err = actual - expected
-    norm = np.linalg.norm(expected)
-    rel = np.linalg.norm(err) / norm if norm > 0 else np.linalg.norm(err)
-    max_abs = float(np.abs(err).max()) if err.size else 0.0
-    max_scale = max(1.0, float(np.abs(expected).max())) if err.size else 1.0
-    print(f"{name}: rel {rel:.2e}, max-abs {max_abs:.2e}")
-    assert rel <= rtol, f"{name}: relative error {rel:.3e} > {rtol:.0e}"
-    assert max_abs <= rtol * max_scale, f"{name}: max-abs error {max_abs:.3e} > {rtol * max_scale:.0e}"
-
-
-def flags(spec):
-    return dict(dt_softplus=spec.dt_softplus, dt_limit=spec.dt_limit)
 
 
 def recurrence_loss(spec, inputs, grads):
