@@ -512,3 +512,17 @@ def test_merge_target_is_the_suite_file_of_this_revision_only(tmp_path):
     assert bench._merge_target(args, env) == dict(environment=env, records=[])
     assert bench._merge_target(args, dict(env, git_revision="rev-b")) is None
     assert bench._merge_target(SimpleNamespace(**{**vars(args), "merge": False}), env) is None
+
+
+def test_compile_ahead_needs_a_cache_and_reports_a_failed_worker(tmp_path, monkeypatch):
+    """compile_ahead fills a kernel cache, so it refuses to run without one; a worker that fails
+    (here: no GPU on this machine) fails the call with the worker's own error."""
+    from ssd.config import SSDConfig
+
+    shape = bench.Shape("tiny", 1, 64, 2, 8, 16, 1)
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", "off")
+    with pytest.raises(RuntimeError, match="no cache folder"):
+        bench.compile_ahead(shape, [(64, SSDConfig())], workers=2)
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"1 of 1 workers failed(.|\n)*Error"):
+        bench.compile_ahead(shape, [(64, SSDConfig())], workers=2)

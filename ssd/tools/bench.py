@@ -877,20 +877,109 @@ def study_points(shapes, space, sms) -> dict:
             for shape in shapes}
 
 
-def run_study(shapes, space=None, reps=30, stages=False) -> dict:
-    """Time ours over the config space on each shape (graph replay, L2 flushed): ``space`` (a
-    list of (factor, chunk size, SSDConfig), or a function of the shape and the GPU's SM count
-    returning one), or per shape ``config_space(shape.dims, sms)``, whose first point is what
-    the API ships there. ``stages``: each point also times each of its kernels alone
-    (:func:`stage_times`: eager, L2 flushed), so a screen sees which stage a change moved."""
+def compile_ahead(shape: Shape, points, workers: int) -> float:
+    """Build the kernels of ``points`` ((chunk size, SSDConfig) pairs) on ``shape`` into cuTile's
+    kernel cache (``CUDA_TILE_CACHE_DIR``, which must name a folder) in ``workers`` processes at
+    once; returns the wall seconds. tileiras compiles on one core: a study's hundred builds take
+    minutes one after another and a fraction of that spread over the machine's cores. The
+    timings that follow are unchanged: a cache hit launches the same cubin. Each process runs
+    every point of its share once, tuned builds only (``SSD_QUICK_FIRST_CALL=0``)."""
+    cache = os.environ.get("CUDA_TILE_CACHE_DIR")
+    if not cache or cache == "off":
+        raise RuntimeError("compile_ahead: CUDA_TILE_CACHE_DIR names no cache folder to fill")
+    env = {**os.environ, "SSD_QUICK_FIRST_CALL": "0",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    start, running = time.perf_counter(), []
+    with contextlib.ExitStack() as stack:
+        for share in (points[i::workers] for i in range(workers)):
+            if not share:
+                continue
+            job = json.dumps(dict(shape=[shape.name, *shape.dims],
+                                  points=[[q, asdict(cfg)] for q, cfg in share]))
+            err = stack.enter_context(tempfile.TemporaryFile())
+            proc = subprocess.Popen([sys.executable, "-m", "ssd.tools.bench", "--compile-job"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=err, env=env, cwd=ROOT, text=True)
+            proc.stdin.write(job)
+            proc.stdin.close()
+            running.append((proc, err))
+        failed = []
+        for proc, err in running:
+            if proc.wait():
+                err.seek(0)
+                failed.append(err.read().decode(errors="replace")[-800:])
+    if failed:
+        raise RuntimeError(f"compile_ahead: {len(failed)} of {len(running)} workers failed; "
+                           f"the first:\n{failed[0]}")
+    return time.perf_counter() - start
+
+
+def _compile_job(job: dict) -> None:
+    """One :func:`compile_ahead` worker: each point of ``job`` (its JSON) run once on the shape."""
     import torch
 
     from .. import api
 
+    x, dt, A, B, C, D, bias = _forward_args(make_inputs(Shape(*job["shape"])))
+    for q, cfg in job["points"]:
+        api.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True,
+                                      config=SSDConfig.from_dict(cfg))
+    torch.cuda.synchronize()
+
+
+#: Processes :func:`run_study` compiles in: most of a 16-core GPU machine's cores, each with a
+#: CUDA context and one shape's inputs (under 2 GB of GPU memory).
+STUDY_COMPILE_WORKERS = min(12, max(1, (os.cpu_count() or 2) - 2))
+
+
+def run_study(shapes, space=None, reps=30, stages=False,
+              compile_workers=STUDY_COMPILE_WORKERS) -> dict:
+    """Time ours over the config space on each shape (graph replay, L2 flushed): ``space`` (a
+    list of (factor, chunk size, SSDConfig), or a function of the shape and the GPU's SM count
+    returning one), or per shape ``config_space(shape.dims, sms)``, whose first point is what
+    the API ships there. ``stages``: each point also times each of its kernels alone
+    (:func:`stage_times`: eager, L2 flushed), so a screen sees which stage a change moved.
+    ``compile_workers`` > 1: each shape's kernels are built first in that many processes
+    (:func:`compile_ahead`), and every point runs its tuned build from its first call, so a
+    row's ``first_call_s`` is a cache hit and its ``tuned_s`` None (compile seconds are the
+    first-call suite's subject)."""
+    import torch
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     points_of = study_points(shapes, space, sms)
+    with contextlib.ExitStack() as stack:
+        if compile_workers > 1:
+            stack.enter_context(_environ(SSD_QUICK_FIRST_CALL="0"))
+        return dict(rows=_study_rows(shapes, points_of, reps, stages, compile_workers))
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    """These environment variables set for the block, restored after it."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _study_rows(shapes, points_of, reps, stages, compile_workers) -> list:
+    import torch
+
+    from .. import api
+
     rows = []
     for shape in _progress(shapes, "study"):
+        if compile_workers > 1:
+            seconds = compile_ahead(shape, [(q, cfg) for _, q, cfg in points_of[shape.name]],
+                                    compile_workers)
+            print(f"[bench] {shape.name}: {len(points_of[shape.name])} points compiled in "
+                  f"{seconds:.0f} s by {compile_workers} processes", flush=True)
         inputs = make_inputs(shape)
         gate = Gate(shape, inputs)
         x, dt, A, B, C, D, bias = _forward_args(inputs)
@@ -907,7 +996,7 @@ def run_study(shapes, space=None, reps=30, stages=False) -> dict:
                              **extra))
         del inputs
         torch.cuda.empty_cache()
-    return dict(rows=rows)
+    return rows
 
 
 def study_base(rows, shape: str) -> dict:
@@ -1035,7 +1124,11 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", metavar="NAME,NAME",
                         help="only these shapes of the suite (the study: of the models suite; "
                              f"default {','.join(STUDY_SHAPES)})")
+    parser.add_argument("--compile-job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.compile_job:  # a compile_ahead worker: its job on stdin, the parent's kernel cache
+        _compile_job(json.load(sys.stdin))
+        return 0
     if args.tilegym_table:
         print(f"wrote {write_tilegym_table(args.tilegym_table)}")
         return 0
@@ -1120,7 +1213,8 @@ def _run(parser, args, shapes, names, caches) -> int:
         if args.vary and args.around == "shipped":
             space = lambda shape, sms: vary_space(args.vary, shape_default(shape.dims, sms))  # noqa: E731
         payload = run_study(shapes, space=space, reps=args.reps, stages=args.stages)
-        payload["settings"] = dict(around=args.around if args.vary else "study", stages=args.stages)
+        payload["settings"] = dict(around=args.around if args.vary else "study", stages=args.stages,
+                                   compile_workers=STUDY_COMPILE_WORKERS)
         for shape, points in study_ratios(payload["rows"]).items():
             print(f"\n{shape}: time / default, or for the stage factors around a one-kernel default /"
                   " its three stages (forward, graph, L2 flushed"
