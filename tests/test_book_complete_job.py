@@ -1,5 +1,6 @@
-"""ssd.book.complete_job on the recorded layer (results/h200/endtoend.json): the tables agree
-with the raw rows, Amdahl's law as the recording computed it, and the floors are floors."""
+"""ssd.book.complete_job on the recorded layer (results/<gpu>/endtoend.json, ``<gpu>`` the book's
+recording folder ``ssd.tools.env.BOOK_GPU``): the tables agree with the raw rows, Amdahl's law
+as the recording computed it, and the floors are floors."""
 import math
 import re
 
@@ -12,11 +13,12 @@ from ssd.book import complete_job as cj  # noqa: E402
 from ssd.book.recordings import load_recorded  # noqa: E402
 from ssd.layer import Mamba2Config  # noqa: E402
 from ssd.tools.endtoend import BASE, NEW, amdahl  # noqa: E402
+from ssd.tools.env import BOOK_GPU  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def rec():
-    return load_recorded("endtoend", gpu="h200"), load_recorded("models", gpu="h200")
+    return load_recorded("endtoend", gpu=BOOK_GPU), load_recorded("models", gpu=BOOK_GPU)
 
 
 def test_amdahl_grid():

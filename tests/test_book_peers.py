@@ -13,14 +13,15 @@ matplotlib.use("Agg")
 from ssd.book import peers  # noqa: E402
 from ssd.book.recordings import load_recorded  # noqa: E402
 from ssd.tools.bench import best_records, speedups  # noqa: E402
+from ssd.tools.env import BOOK_GPU  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def rec():
-    return dict(models=load_recorded("models", gpu="h200"),
-                replayed=load_recorded("tilegym_replayed", gpu="h200"),
-                serving=load_recorded("serving", gpu="h200"),
-                first_call=load_recorded("first-call", gpu="h200"))
+    return dict(models=load_recorded("models", gpu=BOOK_GPU),
+                replayed=load_recorded("tilegym_replayed", gpu=BOOK_GPU),
+                serving=load_recorded("serving", gpu=BOOK_GPU),
+                first_call=load_recorded("first-call", gpu=BOOK_GPU))
 
 
 def _names(payload):

@@ -9,7 +9,7 @@ matplotlib.use("Agg")
 
 from ssd.book import reproduce as rp  # noqa: E402
 from ssd.tools.bench import speedups  # noqa: E402
-from ssd.tools.env import ROOT  # noqa: E402
+from ssd.tools.env import BOOK_GPU, ROOT, gpu_slug  # noqa: E402
 
 MAKEFILE = """\
 PY ?= python3
@@ -31,7 +31,7 @@ test:
 
 @pytest.fixture(scope="module")
 def recs():
-    return rp.load_recordings(gpu="h200")
+    return rp.load_recordings(gpu=BOOK_GPU)
 
 
 @pytest.fixture
@@ -87,7 +87,7 @@ def test_real_makefile_plan():
 
 
 def test_recordings_and_environment(recs):
-    assert "h200/models.json" in recs and "h200/endtoend.json" in recs
+    assert f"{BOOK_GPU}/models.json" in recs and f"{BOOK_GPU}/endtoend.json" in recs
     envs = rp.environment_table(recs)
     with_env = [n for n, p in recs.items() if p.get("environment")]
     assert envs.column("file") == [n.removesuffix(".json") for n in with_env]
@@ -97,28 +97,31 @@ def test_recordings_and_environment(recs):
     for row, name in zip(envs, with_env):
         differ = [k for k in rp.VERSIONS if recs[name]["environment"].get(k) != common[k]]
         assert (row["versions"] == "common") == (not differ)
-    models_env = recs["h200/models.json"]["environment"]
+    models_env = recs[f"{BOOK_GPU}/models.json"]["environment"]
     assert all(models_env.get(k) == v for k, v in common.items())
     assert rp.span_minutes(recs) >= 0
-    assert "H200" in rp.environment_line(recs["h200/models.json"]["environment"])
+    assert models_env["gpu"] in rp.environment_line(models_env)
+    assert gpu_slug(models_env) == BOOK_GPU
 
 
 def test_holds_table(recs):
     holds = rp.holds_table(recs, (ROOT / "Makefile").read_text())
     row = {r["file"]: r for r in holds}
-    assert row["h200/models.json"]["entries"] == len(recs["h200/models.json"]["records"])
-    assert row["h200/models.json"]["writer"].startswith("make ")
-    assert row["h200/endtoend.json"]["entries"] == sum(
-        len(recs["h200/endtoend.json"][p]["rows"]) for p in ("share", "prefill"))
+    models, endtoend = f"{BOOK_GPU}/models.json", f"{BOOK_GPU}/endtoend.json"
+    assert row[models]["entries"] == len(recs[models]["records"])
+    assert row[models]["writer"].startswith("make ")
+    assert row[endtoend]["entries"] == sum(
+        len(recs[endtoend][p]["rows"]) for p in ("share", "prefill"))
 
 
 def test_spread_and_reruns(recs):
-    models = recs["h200/models.json"]
+    models = recs[f"{BOOK_GPU}/models.json"]
     spread = rp.spread_table(models)
     graph = [r for r in models["records"] if r["mode"] == "graph"]
     assert sum(spread.column("n")) == len(graph)
     assert all(0 <= r["median"] <= r["worst"] for r in spread)
-    rerun = rp.rerun_table(models, {"tilegym_replayed": recs["h200/tilegym_replayed.json"]})
+    replayed = recs[f"{BOOK_GPU}/tilegym_replayed.json"]
+    rerun = rp.rerun_table(models, {"tilegym_replayed": replayed})
     assert len(rerun) > 0
     for r in rerun:
         assert r["ratio"] == pytest.approx(r["ms"] / r["ref_ms"])
@@ -128,7 +131,7 @@ def test_spread_and_reruns(recs):
 
 
 def test_compare_recordings_with_itself(recs):
-    models = recs["h200/models.json"]
+    models = recs[f"{BOOK_GPU}/models.json"]
     table = rp.compare_recordings(models, models)
     expected = speedups(models["records"])
     assert len(table) == len(expected) - 1                   # every shape; no geomean row

@@ -403,7 +403,7 @@ def chunk_passing_matrix(dA_cumsum):
     return np.exp(segsum(padded))
 
 
-#: FP32 lanes (CUDA cores) per SM of a Hopper GPU (H100, H200): an NVIDIA datasheet figure
+#: FP32 lanes (CUDA cores) per SM of a Hopper (sm_90) GPU: an NVIDIA datasheet figure
 #: (the H100 whitepaper), not a measurement. Each does one fused multiply-add (2 FLOPs) a clock.
 HOPPER_FP32_LANES_PER_SM = 128
 

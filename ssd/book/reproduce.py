@@ -3,7 +3,8 @@ environment each names, and how much a timing moves from one repetition, process
 to the next.
 
 The recordings are the JSON files the book reads: ``results/<gpu>/*.json`` (the GPU's folder,
-``h200`` for the book's own), ``results/compile/*.json`` and any ``results/*.json``.
+``ssd.tools.env.BOOK_GPU`` for the book's own), ``results/compile/*.json`` and any
+``results/*.json``.
 :func:`load_recordings` loads them all; the other functions take what it returns, the
 ``Makefile``'s text, or single recordings, and return :class:`ssd.book.tables.Table`
 objects or matplotlib figures.
