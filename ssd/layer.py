@@ -1,7 +1,7 @@
 """A Mamba-2 mixer (and a stack of them) in PyTorch, with the SSD step behind a backend switch.
 
-The layer of Dao & Gu 2024 ("Transformers are SSMs", section 7, the Mamba-2 block), forward
-only, with random weights initialised as Mamba-2 initialises them (no downloads)::
+The layer of Dao & Gu 2024 ("Transformers are SSMs", section 7, the Mamba-2 block), inference
+only (no gradients), with random weights initialised as Mamba-2 initialises them (no downloads)::
 
     u (b, l, d_model)
       -> in_proj                      -> z (d_inner) | xBC (d_inner + 2 g n) | dt (h)
@@ -29,6 +29,24 @@ default: ``nn.Conv1d`` over transposed xBC, the norm in fp32 eager ops) or as th
 of :mod:`ssd.layer_ops` (``kernels="cutile"``: xBC and z read where in_proj wrote them, no
 transposes and no copies; CUDA only). :data:`KERNELS` names the two.
 
+Generation: :meth:`Mamba2Mixer.prefill` runs the forward over a batch of prompts, or prompts of
+different lengths packed along one row (mamba_ssm's ``cu_seqlens``; the conv and the SSD restart
+at each prompt), and hands each prompt's state to an :class:`InferenceCache`: its last d_conv - 1
+conv inputs and its final SSM state (the SSD's ``return_final_states``, or
+``return_varlen_states`` when packed). :meth:`Mamba2Mixer.step` then takes one token per
+sequence, (b, 1, d_model), and advances the cache in place::
+
+    u_t -> in_proj -> z | xBC | dt
+        -> conv step: roll the conv state, depthwise dot + bias + SiLU     (conv_step)
+        -> SSM step: h <- exp(dt' A) h + dt' x Bᵀ, y = h C + D x            (the backend's)
+        -> gated RMSNorm -> out_proj
+
+The SSM step is the backend's decode function (:func:`step_function`):
+``ssd.selective_state_update`` (cutile), mamba_ssm's ``selective_state_update`` (mamba_ssm),
+:func:`selective_state_update_torch` (torch), the float64 NumPy step (reference). The conv step
+is :func:`conv_step_torch`, or ``ssd.layer_ops.conv_step`` with ``kernels="cutile"``.
+:class:`Mamba2Stack` has the same ``prefill`` / ``step`` / ``new_cache`` with one cache a layer.
+
 Dimension legend as everywhere in ``ssd`` (see ``ssd.reference``): b batch, l seqlen, h
 nheads, p headdim, n dstate (the paper's N), g ngroups (B and C shared by h/g heads), q
 chunk_size. Mamba-2's own names: d_inner = expand * d_model = h * p; conv_dim = d_inner + 2 g n.
@@ -48,7 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .reference import check_shapes
+from .layer_reference import conv_step_dims
+from .reference import check_cu_seqlens, check_shapes, check_step_shapes, check_varlen_shapes
 
 INF = float("inf")
 BACKENDS = ("cutile", "mamba_ssm", "torch", "reference")
@@ -170,25 +189,39 @@ def config_for_shape(shape, *, expand=2, d_conv=4, chunk_size=256,
 
 
 def ssd_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-              dt_softplus=False, dt_limit=(0.0, INF), return_final_states=False):
+              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, INF),
+              return_final_states=False, return_varlen_states=False):
     """The chunked SSD forward in plain PyTorch: ``ssd.reference.ssd_chunked``'s four stages,
     vectorised over chunks and heads (only state_passing loops, over chunks).
 
-    Same arguments and semantics as ``mamba_chunk_scan_combined`` (no seq_idx). Works on any
-    device; computes in fp32, or fp64 when x is fp64. l need not be a multiple of chunk_size.
+    Same arguments, semantics and return convention as ``mamba_chunk_scan_combined``, packed
+    sequences included. Works on any device; computes in fp32, or fp64 when x is fp64. l need
+    not be a multiple of chunk_size. seq_idx's values are not checked (>= 0, non-decreasing);
+    cu_seqlens' are, on the host (a device synchronisation on a GPU).
 
     Args:
         x: (b, l, h, p); dt: (b, l, h); A: (h,) <= 0; B, C: (b, l, g, n) with h % g == 0.
         D: optional (h,) or (h, p); z: optional (b, l, h, p); dt_bias: optional (h,);
         initial_states: optional (b, h, p, n).
+        seq_idx: optional (b, l) int: packed sequences, the state reset where it changes.
+        cu_seqlens: (S + 1,) int offsets of S sequences packed along a batch of one (with
+            seq_idx); read only with return_varlen_states.
     Returns:
-        y (b, l, h, p) in x's dtype, or (y, final_states (b, h, p, n) in the compute dtype).
+        y (b, l, h, p) in x's dtype; with return_final_states also final_states (b, h, p, n),
+        with return_varlen_states also varlen_states (S, h, p, n), both in the compute dtype.
     """
     dims = check_shapes(chunk_size=chunk_size, **{
         k: None if t is None else tuple(t.shape)
         for k, t in dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
-                         initial_states=initial_states).items()})
+                         initial_states=initial_states, seq_idx=seq_idx).items()})
     b, l, h, p, n, g, c, q = (dims[k] for k in "blhpngcq")
+    if return_varlen_states:
+        if cu_seqlens is None:
+            raise ValueError("return_varlen_states: needs cu_seqlens, the offsets of the "
+                             "packed sequences")
+        check_varlen_shapes(tuple(cu_seqlens.shape), dims, seq_idx is not None)
+        cu = torch.as_tensor(check_cu_seqlens(cu_seqlens.cpu().numpy(), l,
+                                              seq_idx.cpu().numpy()), device=x.device)
     r = h // g  # heads per group: head i = (group i // r, member i % r)
     lo, hi = (float(v) for v in dt_limit)
     f = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -196,6 +229,15 @@ def ssd_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_
     def chunked(t):  # (b, l, ...) -> (b, c, q, ...), the tail chunk zero-padded
         t = t.to(f)
         return F.pad(t, [0, 0] * (t.dim() - 2) + [0, c * q - l]).view(b, c, q, *t.shape[2:])
+
+    # Packed sequences: each position's id, the padded tail joining the last sequence (x and
+    # dt' are 0 there, so it changes nothing), and the id running into each chunk (a virtual
+    # 0 before chunk 0, so the initial state feeds only a first sequence of id 0).
+    if seq_idx is not None:
+        seq = seq_idx.to(torch.long)
+        seq = torch.cat([seq, seq[:, -1:].expand(b, c * q - l)], dim=1).view(b, c, q)
+        seq_last = seq[:, :, -1]  # (b, c)
+        seq_before = torch.cat([torch.zeros_like(seq_last[:, :1]), seq_last[:, :-1]], dim=1)
 
     # 1. chunk_cumsum: dt' = clamp(softplus(dt + bias)); log-decay summed inside each chunk.
     #    The padded tail has dt' = 0, so dA_cumsum stays flat there.
@@ -209,58 +251,172 @@ def ssd_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_
     dA_cs = torch.cumsum(dt_c * A.to(f).view(g, r), dim=2)  # (b, c, q, g, r)
 
     # 2. chunk_state: what each chunk writes into the state on its own. The exponent
-    #    dA_cs[last] - dA_cs[s] is <= 0 (A <= 0, dt' >= 0), so exp cannot overflow.
+    #    dA_cs[last] - dA_cs[s] is <= 0 (A <= 0, dt' >= 0), so exp cannot overflow. Only the
+    #    sequence running at the chunk's end writes into its state.
     weight = torch.exp(dA_cs[:, :, -1:] - dA_cs) * dt_c  # (b, c, q, g, r)
+    if seq_idx is not None:
+        weight = weight * (seq == seq_last[..., None])[..., None, None]
     states = torch.einsum("bcsgr,bcsgrp,bcsgn->bcgrpn", weight, x_c, B_c)  # (b, c, g, r, p, n)
 
-    # 3. state_passing: the state entering each chunk (the only sequential step).
-    chunk_decay = torch.exp(dA_cs[:, :, -1])  # (b, c, g, r)
+    # 3. state_passing: the state entering each chunk (the only sequential step); the
+    #    carried state is dropped where a new sequence runs at the chunk's end.
+    chunk_decay = torch.exp(dA_cs[:, :, -1])[..., None, None]  # (b, c, g, r, 1, 1)
+    if seq_idx is not None:
+        chunk_decay = chunk_decay * (seq_last == seq_before).to(f)[..., None, None, None, None]
     running = (torch.zeros(b, g, r, p, n, dtype=f, device=x.device) if initial_states is None
                else initial_states.to(f).reshape(b, g, r, p, n))
     prev = []
     for ci in range(c):
         prev.append(running)
-        running = chunk_decay[:, ci, :, :, None, None] * running + states[:, ci]
+        running = chunk_decay[:, ci] * running + states[:, ci]
     prev_states = torch.stack(prev, dim=1)  # (b, c, g, r, p, n)
 
     # 4. chunk_scan. Diagonal blocks: causal attention inside the chunk with the decay mask;
     #    the exponent dA_cs[t] - dA_cs[s] is >= 0 above the diagonal, so mask it to -inf
-    #    BEFORE exp (masking after exp could meet inf * 0 = NaN).
+    #    BEFORE exp (masking after exp could meet inf * 0 = NaN). Packed: s and t of one sequence.
     seg = dA_cs.permute(0, 1, 3, 4, 2)  # (b, c, g, r, q)
     causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()  # (t, s): s <= t
+    if seq_idx is not None:
+        causal = (causal & (seq[..., :, None] == seq[..., None, :]))[:, :, None, None]
     L = torch.exp((seg[..., :, None] - seg[..., None, :]).masked_fill(~causal, -INF))
     CB = torch.einsum("bctgn,bcsgn->bcgts", C_c, B_c)  # (b, c, g, t, s), once per group
     W = CB[:, :, :, None] * L * dt_c.permute(0, 1, 3, 4, 2)[..., None, :]  # (b, c, g, r, t, s)
     y = torch.einsum("bcgrts,bcsgrp->bctgrp", W, x_c)  # (b, c, q, g, r, p)
-    # Off-diagonal term: the entering state decayed to t and read by C_t.
-    y = y + torch.einsum("bctgn,bcgrpn->bctgrp", C_c, prev_states) * torch.exp(dA_cs)[..., None]
+    # Off-diagonal term: the entering state decayed to t and read by C_t, where t belongs to
+    # the sequence that ran into the chunk.
+    enter = torch.exp(dA_cs)[..., None]  # (b, c, q, g, r, 1)
+    if seq_idx is not None:
+        enter = enter * (seq == seq_before[..., None]).to(f)[..., None, None, None]
+    y = y + torch.einsum("bctgn,bcgrpn->bctgrp", C_c, prev_states) * enter
     y = y.reshape(b, c * q, h, p)[:, :l]  # un-chunk, drop the padded tail
     if D is not None:
         y = y + (D.to(f)[:, None] if D.dim() == 1 else D.to(f)) * x.to(f)
     if z is not None:
         y = y * F.silu(z.to(f))
-    y = y.to(x.dtype)
-    return (y, running.reshape(b, h, p, n)) if return_final_states else y
+    out = (y.to(x.dtype),)
+    if return_final_states:
+        out += (running.reshape(b, h, p, n),)
+    if return_varlen_states:
+        # 5. each packed sequence's final state, from the chunk where it ends: the entering
+        #    state decayed to its last token (if it ran into the chunk) plus the chunk's writes
+        #    of its own tokens up to that one (ssd.reference.chunk_state_varlen).
+        last = cu[1:] - 1  # (S,) the last position of each sequence
+        ci, k = last // q, last % q  # its chunk and place in it
+        own_id = seq.view(-1)[last]  # (S,)
+        dA = dA_cs[0, ci]  # (S, q, g, r)
+        dA_end = dA[torch.arange(len(last), device=x.device), k]  # (S, g, r)
+        mine = (torch.arange(q, device=x.device) <= k[:, None]) & (seq[0, ci] == own_id[:, None])
+        w = torch.exp((dA_end[:, None] - dA).masked_fill(~mine[..., None, None], -INF))
+        writes = torch.einsum("sqgr,sqgrp,sqgn->sgrpn", w * dt_c[0, ci], x_c[0, ci], B_c[0, ci])
+        runs_in = (own_id == seq_before[0, ci]).to(f)[:, None, None]  # (S, 1, 1)
+        carried = (torch.exp(dA_end) * runs_in)[..., None, None] * prev_states[0, ci]
+        out += ((carried + writes).reshape(len(last), h, p, n),)
+    return out if len(out) > 1 else out[0]
 
 
 def ssd_reference_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                        initial_states=None, dt_softplus=False, dt_limit=(0.0, INF),
-                        return_final_states=False):
+                        initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+                        dt_limit=(0.0, INF), return_final_states=False,
+                        return_varlen_states=False):
     """``ssd.reference.ssd_chunked`` (NumPy, float64) behind torch tensors: the inputs are
-    copied to the CPU as float64; y comes back in x's dtype on x's device."""
+    copied to the CPU as float64; y comes back in x's dtype on x's device, the states in
+    float64."""
     from .reference import ssd_chunked
 
-    def np64(t):
+    def host(t, dtype=torch.float64):
+        return None if t is None else t.detach().to("cpu", dtype).numpy()
+
+    out = ssd_chunked(host(x), host(dt), host(A), host(B), host(C), chunk_size, D=host(D),
+                      z=host(z), dt_bias=host(dt_bias), initial_states=host(initial_states),
+                      seq_idx=host(seq_idx, torch.int64), cu_seqlens=host(cu_seqlens, torch.int64),
+                      dt_softplus=dt_softplus, dt_limit=dt_limit,
+                      return_final_states=return_final_states,
+                      return_varlen_states=return_varlen_states)
+    back = lambda a, dtype: torch.from_numpy(a).to(x.device, dtype)  # noqa: E731
+    if not (return_final_states or return_varlen_states):
+        return back(out, x.dtype)
+    return (back(out[0], x.dtype),) + tuple(back(s, torch.float64) for s in out[1:])
+
+
+def selective_state_update_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                                 dt_softplus=False, dt_limit=None):
+    """The decode step in plain PyTorch: ``ssd.selective_state_update``'s semantics (mamba_ssm's),
+    without a paged cache. Works on any device; computes in fp32 (fp64 when the state or x is
+    fp64), stores the state in its own dtype and computes y from the state before that rounding.
+
+        dt' = dt + dt_bias; softplus(dt') where dt' <= 20 if dt_softplus; clamp if dt_limit
+        state <- exp(dt' A) state + dt' x Bᵀ    (in place)
+        y = state C + D x;  y *= silu(z) if z is given
+
+    Args:
+        state: (b, h, p, n), updated in place.
+        x: (b, h, p). dt: (b, h, p) or (b, h). A: (h, p, n) or (h,). B, C: (b, g, n).
+        D: optional (h, p) or (h,). z: optional (b, h, p). dt_bias: optional (h, p) or (h,).
+        dt_limit: optional (lo, hi), 0 <= lo <= hi.
+    Returns:
+        y (b, h, p) in x's dtype.
+    """
+    dims = check_step_shapes(**{name: None if t is None else tuple(t.shape) for name, t in dict(
+        x=x, state=state, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias).items()})
+    r = dims["h"] // dims["g"]  # heads per group
+    f = torch.float64 if torch.float64 in (x.dtype, state.dtype) else torch.float32
+    dtp = dt.to(f) if dt.dim() == 3 else dt.to(f)[..., None]  # (b, h, p or 1)
+    if dt_bias is not None:
+        dtp = dtp + (dt_bias.to(f) if dt_bias.dim() == 2 else dt_bias.to(f)[:, None])
+    if dt_softplus:
+        dtp = torch.where(dtp <= 20.0, F.softplus(dtp), dtp)  # identity above 20, as mamba_ssm
+    if dt_limit is not None:
+        dtp = dtp.clamp(min=float(dt_limit[0]), max=float(dt_limit[1]))
+    A_f = A.to(f) if A.dim() == 3 else A.to(f)[:, None, None]  # (h, p or 1, n or 1)
+    Bh, Ch = (t.to(f).repeat_interleave(r, dim=1) for t in (B, C))  # (b, h, n): each head's group
+    x_f = x.to(f)
+    new = (torch.exp(dtp[..., None] * A_f) * state.to(f)
+           + (dtp * x_f)[..., None] * Bh[:, :, None, :])  # (b, h, p, n)
+    state.copy_(new)
+    y = torch.einsum("bhpn,bhn->bhp", new, Ch)
+    if D is not None:
+        y = y + (D.to(f) if D.dim() == 2 else D.to(f)[:, None]) * x_f
+    if z is not None:
+        y = y * F.silu(z.to(f))
+    return y.to(x.dtype)
+
+
+def selective_state_update_reference_torch(state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                                           dt_softplus=False, dt_limit=None):
+    """``ssd.reference.selective_state_update`` (NumPy, float64) behind torch tensors, with the
+    state updated in place as the kernels do: the arguments of
+    :func:`selective_state_update_torch`; y comes back in x's dtype on x's device."""
+    from .reference import selective_state_update
+
+    def host(t):
         return None if t is None else t.detach().to("cpu", torch.float64).numpy()
 
-    out = ssd_chunked(np64(x), np64(dt), np64(A), np64(B), np64(C), chunk_size, D=np64(D),
-                      z=np64(z), dt_bias=np64(dt_bias), initial_states=np64(initial_states),
-                      dt_softplus=dt_softplus, dt_limit=dt_limit,
-                      return_final_states=return_final_states)
-    back = lambda a, dtype: torch.from_numpy(a).to(x.device, dtype)  # noqa: E731
-    if return_final_states:
-        return back(out[0], x.dtype), back(out[1], torch.float64)
-    return back(out, x.dtype)
+    y, new_state = selective_state_update(
+        host(state), host(x), host(dt), host(A), host(B), host(C), D=host(D), z=host(z),
+        dt_bias=host(dt_bias), dt_softplus=dt_softplus, dt_limit=dt_limit)
+    state.copy_(torch.from_numpy(new_state))
+    return torch.from_numpy(y).to(x.device, x.dtype)
+
+
+def _mamba_ssm_step(fn):
+    """mamba_ssm's ``selective_state_update`` behind :func:`selective_state_update_torch`'s
+    arguments: it takes only the full forms, so per-head dt, A, D and dt_bias are passed as
+    broadcast views (stride 0, as its Mamba-2 layer passes them: its kernel then reads one value
+    per head)."""
+
+    def step(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+             dt_limit=None):
+        if dt_limit is not None:
+            raise ValueError(f"dt_limit: mamba_ssm's selective_state_update clamps nothing, got "
+                             f"{dt_limit}")
+        b, h, p = x.shape
+        n = state.shape[-1]
+        per_channel = lambda t: t if t is None or t.dim() == 2 else t[:, None].expand(h, p)  # noqa: E731
+        return fn(state, x, dt if dt.dim() == 3 else dt[..., None].expand(b, h, p),
+                  A if A.dim() == 3 else A[:, None, None].expand(h, p, n), B, C,
+                  D=per_channel(D), z=z, dt_bias=per_channel(dt_bias), dt_softplus=dt_softplus)
+
+    return step
 
 
 # ----------------------------------------------------------------------------- backends
@@ -317,6 +473,36 @@ def backend_function(name: str):
         raise BackendUnavailable(f"SSD backend 'mamba_ssm' is unavailable: {exc}") from exc
 
 
+def step_function(name: str):
+    """The decode step of backend ``name``, with :func:`selective_state_update_torch`'s arguments
+    (the state updated in place, y returned): ``ssd.selective_state_update`` for ``cutile``,
+    mamba_ssm's ``selective_state_update`` for ``mamba_ssm`` (:func:`_mamba_ssm_step`),
+    :func:`selective_state_update_torch` for ``torch``, the float64 NumPy step
+    (:func:`selective_state_update_reference_torch`) for ``reference``.
+
+    Raises:
+        ValueError, BackendUnavailable: as :func:`backend_function`.
+    """
+    backend_function(name)  # the same name and availability checks as the forward's
+    if name == "torch":
+        return selective_state_update_torch
+    if name == "reference":
+        return selective_state_update_reference_torch
+    if name == "cutile":
+        try:
+            from .decode import selective_state_update
+        except Exception as exc:
+            raise BackendUnavailable(f"SSD backend 'cutile' is unavailable: ssd.decode failed to "
+                                     f"import ({type(exc).__name__}: {exc})") from exc
+        return selective_state_update
+    from .tools.peers import PeerUnavailable, mamba_ssm_state_update
+
+    try:
+        return _mamba_ssm_step(mamba_ssm_state_update())
+    except PeerUnavailable as exc:
+        raise BackendUnavailable(f"SSD backend 'mamba_ssm' is unavailable: {exc}") from exc
+
+
 def available_backends() -> dict:
     """backend name -> None if it can run here, else the reason it cannot."""
     out = {}
@@ -358,7 +544,9 @@ class SSDStep(nn.Module):
     the tensors the mixer passes (``ssd.tools.endtoend`` times the call alone on them).
 
     ``forward(x, dt, A, B, C, D, dt_bias)`` -> y (b, l, h, p), always with dt_softplus=True
-    and the layer's dt_limit, as Mamba-2 calls it.
+    and the layer's dt_limit, as Mamba-2 calls it; a prefill adds seq_idx, cu_seqlens and the
+    states to return as keywords. ``step(state, x, dt, A, B, C, D, dt_bias)`` -> y (b, h, p):
+    the same SSD one token further, through the backend's decode step (:func:`step_function`).
     """
 
     def __init__(self, backend: str, chunk_size: int, dt_limit=(0.0, INF)):
@@ -371,21 +559,37 @@ class SSDStep(nn.Module):
         """Switch the SSD implementation; ``chunk_size`` also changes the chunk size it is
         called with (None keeps it): the output does not depend on it beyond rounding, the
         speed does, and not the same way for every backend."""
-        self.fn = backend_function(backend)  # raises before anything changes
-        self.backend = backend
+        fn, step_fn = backend_function(backend), step_function(backend)  # raise first
+        self.fn, self.step_fn, self.backend = fn, step_fn, backend
         if chunk_size is not None:
             self.chunk_size = int(chunk_size)
 
     def extra_repr(self):
         return f"backend={self.backend!r}, chunk_size={self.chunk_size}"
 
-    def forward(self, x, dt, A, B, C, D, dt_bias):
+    def _check_device(self, x):
         if self.backend in ("cutile", "mamba_ssm") and x.device.type != "cuda":
             raise BackendUnavailable(f"SSD backend {self.backend!r} runs on CUDA tensors only, but "
                                      f"the input is on {x.device}; move the module to a GPU or use "
                                      "backend='torch'")
+
+    def forward(self, x, dt, A, B, C, D, dt_bias, **packed_and_states):
+        """``packed_and_states``: any of seq_idx, cu_seqlens, return_final_states,
+        return_varlen_states, passed on only when given (a stand-in of
+        :func:`ssd_replaced` for the plain forward need not take them)."""
+        self._check_device(x)
         return self.fn(x, dt, A, B, C, self.chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True,
-                       dt_limit=self.dt_limit)
+                       dt_limit=self.dt_limit, **packed_and_states)
+
+    def step(self, state, x, dt, A, B, C, D, dt_bias):
+        """One decode step: state (b, h, p, n) advanced in place; x (b, h, p), dt (b, h) raw,
+        A (h,), B and C (b, g, n), D and dt_bias (h,) -> y (b, h, p) in x's dtype."""
+        self._check_device(x)
+        # Softplus makes dt' > 0, so the forward's default limit (0, inf) clamps nothing: the
+        # step then takes none (mamba_ssm's has no clamp).
+        limit = None if self.dt_limit == (0.0, INF) else self.dt_limit
+        return self.step_fn(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, dt_softplus=True,
+                            dt_limit=limit)
 
 
 @contextlib.contextmanager
@@ -440,17 +644,91 @@ def _param_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def causal_conv1d_torch(xBC, conv1d: nn.Conv1d):
+def causal_conv1d_torch(xBC, conv1d: nn.Conv1d, seq_idx=None):
     """The layer's depthwise causal conv1d + SiLU in plain PyTorch (``kernels="torch"``).
 
     xBC (b, l, conv_dim), any strides -> (b, l, conv_dim) contiguous. ``conv1d`` is depthwise
-    with padding k-1 on both sides: its first l outputs are the causal convolution."""
+    with padding k-1 on both sides: its first l outputs are the causal convolution. With
+    ``seq_idx`` (b, l) int (packed sequences), a tap that reaches back across a change of
+    seq_idx reads 0 (:func:`ssd.layer_reference.causal_conv1d`)."""
     l = xBC.shape[1]
+    if seq_idx is not None:
+        return _packed_conv1d(xBC, conv1d.weight[:, 0], conv1d.bias, seq_idx)
     # Channels first for conv1d, keep the first l outputs, back to channels last and
     # contiguous, so that the SSD gets x, B, C with unit stride along p and n (a backend would
     # otherwise copy them inside the timed SSD call).
     out = conv1d(xBC.transpose(1, 2))[..., :l]  # (b, conv_dim, l)
     return F.silu(out.transpose(1, 2).contiguous())  # (b, l, conv_dim)
+
+
+def _packed_conv1d(xBC, weight, bias, seq_idx):
+    """causal_conv1d_torch with seq_idx: nn.Conv1d cannot zero a tap per position, so the w taps
+    are summed one by one, in fp32 (fp64), and rounded once. xBC (b, l, c), weight (c, w),
+    bias (c,) or None, seq_idx (b, l) -> (b, l, c) in xBC's dtype."""
+    b, l, c = xBC.shape
+    w = weight.shape[1]
+    f = _param_dtype(xBC.dtype)
+    xe = F.pad(xBC.to(f), (0, 0, w - 1, 0))  # (b, w-1+l, c): xe[:, w-1+t] = xBC[:, t]
+    # A virtual id 0 before the start, as the SSD's (the padded inputs are 0 anyway).
+    se = torch.cat([seq_idx.new_zeros(b, w - 1), seq_idx], dim=1)  # (b, w-1+l)
+    out = torch.zeros(b, l, c, dtype=f, device=xBC.device) if bias is None else \
+        bias.to(f).expand(b, l, c)
+    for k in range(w):  # tap k reads position t - (w-1) + k, i.e. xe[:, t + k]
+        same = (se[:, k:k + l] == seq_idx)[..., None]  # (b, l, 1): no boundary crossed
+        out = out + weight[:, k].to(f) * xe[:, k:k + l].masked_fill(~same, 0.0)
+    return F.silu(out).to(xBC.dtype)
+
+
+def conv_step_torch(conv_state, x, weight, bias=None, activation="silu"):
+    """One token through the depthwise causal conv1d, in plain PyTorch: the decode step of
+    :func:`causal_conv1d_torch` (``kernels="torch"``; ``ssd.layer_ops.conv_step`` calls it
+    too). Computes in fp32 (fp64 for fp64) and rounds once
+    (:func:`ssd.layer_reference.conv_step`).
+
+    Args:
+        conv_state: (b, c, w-1) of x's dtype, the w-1 previous inputs, oldest first; updated
+            in place: the oldest dropped, x appended.
+        x: (b, c), this token's input (in the layer, the xBC columns of in_proj's output).
+        weight: (c, w); bias: optional (c,); activation: "silu" (or "swish") or None.
+    Returns:
+        (b, c) in x's dtype.
+    """
+    conv_step_dims(**{k: None if t is None else tuple(t.shape) for k, t in dict(
+        conv_state=conv_state, x=x, weight=weight, bias=bias).items()})
+    if conv_state.dtype != x.dtype:
+        raise TypeError(f"conv_state: dtype {conv_state.dtype}, expected x's {x.dtype} (it holds "
+                        "earlier inputs exactly)")
+    f = _param_dtype(x.dtype)
+    window = torch.cat([conv_state.to(f), x.to(f)[..., None]], dim=-1)  # (b, c, w): t-w+1 .. t
+    out = (window * weight.to(f)).sum(-1)  # (b, c)
+    if bias is not None:
+        out = out + bias.to(f)
+    conv_state.copy_(window[..., 1:])  # exact: the values came from x's dtype
+    return (F.silu(out) if activation else out).to(x.dtype)
+
+
+def conv_state_of(xBC, width: int, cu_seqlens=None):
+    """The conv state a prefill hands to the decode loop: each sequence's last width-1 inputs
+    of the conv (xBC before it), oldest first, 0 before the sequence's start.
+
+    Args:
+        xBC: (b, l, c): b sequences of l tokens; or, with cu_seqlens, (1, l, c) packed.
+        width: the conv's kernel size (d_conv).
+        cu_seqlens: optional (S + 1,) int offsets of the packed sequences.
+    Returns:
+        (b or S, c, width-1) contiguous, in xBC's dtype.
+    """
+    b, l, c = xBC.shape
+    kw = dict(device=xBC.device, dtype=torch.long)
+    if cu_seqlens is None:  # each row one sequence, from 0 to l - 1
+        rows, first, last = torch.arange(b, **kw), torch.zeros(b, **kw), torch.full((b,), l - 1, **kw)
+    else:  # all in row 0, from cu_seqlens[i] to cu_seqlens[i + 1] - 1
+        first, last = cu_seqlens[:-1].to(torch.long), cu_seqlens[1:].to(torch.long) - 1
+        rows = torch.zeros_like(first)
+    pos = last[:, None] - (width - 2) + torch.arange(width - 1, **kw)  # (S, w-1)
+    window = xBC[rows[:, None], pos.clamp(min=0)]  # (S, w-1, c)
+    window = window.masked_fill((pos < first[:, None])[..., None], 0.0)  # before the start
+    return window.transpose(1, 2).contiguous()
 
 
 class GatedRMSNorm(nn.Module):
@@ -485,18 +763,103 @@ class RMSNorm(nn.Module):
         return (v * self.weight.to(f)).to(out_dtype or h.dtype)
 
 
-def _check_input(u, cfg: Mamba2Config, device):
-    if not isinstance(u, torch.Tensor) or u.dim() != 3 or u.shape[-1] != cfg.d_model:
-        raise ValueError(f"u: expected a (batch, seqlen, d_model={cfg.d_model}) tensor, got "
+def _check_input(u, cfg: Mamba2Config, device, name="u", one_token=False):
+    what = "(batch, 1, d_model" if one_token else "(batch, seqlen, d_model"
+    if (not isinstance(u, torch.Tensor) or u.dim() != 3 or u.shape[-1] != cfg.d_model
+            or (one_token and u.shape[1] != 1)):
+        raise ValueError(f"{name}: expected a {what}={cfg.d_model}) tensor, got "
                          f"{tuple(u.shape) if isinstance(u, torch.Tensor) else type(u).__name__}")
     if u.dtype != cfg.torch_dtype:
-        raise TypeError(f"u: dtype {u.dtype}, but the layer's weights are {cfg.dtype}")
+        raise TypeError(f"{name}: dtype {u.dtype}, but the layer's weights are {cfg.dtype}")
     if u.device != device:
-        raise ValueError(f"u: on {u.device}, but the layer's weights are on {device}")
+        raise ValueError(f"{name}: on {u.device}, but the layer's weights are on {device}")
+
+
+def _packed_seq_idx(u, cu_seqlens, check_values: bool):
+    """seq_idx (1, l) int32 of the prompts packed along u's one row by cu_seqlens (S + 1,),
+    computed on the device without a synchronisation (unless ``check_values``)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens: expected a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens: dtype {cu_seqlens.dtype}, expected torch.int32 or "
+                        "torch.int64")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected shape (num_sequences + 1,) with at least one "
+                         f"sequence, got {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != u.device:
+        raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but u is on {u.device}")
+    b, l, _ = u.shape
+    if b != 1:
+        raise ValueError(f"cu_seqlens: packs the prompts along one row, so u's batch must be 1, "
+                         f"got {b}")
+    if check_values:
+        check_cu_seqlens(cu_seqlens.cpu().numpy(), l)
+    positions = torch.arange(l, device=u.device, dtype=cu_seqlens.dtype)
+    # seq_idx[t] = the number of sequence starts after 0 at or before t
+    return torch.searchsorted(cu_seqlens[1:-1].contiguous(), positions, right=True,
+                              out_int32=True)[None]
+
+
+@dataclass(frozen=True)
+class InferenceCache:
+    """What one mixer carries from a token to the next in generation, for a batch of sequences
+    (a stack holds one per layer). Both tensors are updated in place by each step.
+
+    Attributes:
+        conv_state: (b, conv_dim, d_conv - 1) in the model dtype: the last d_conv - 1 inputs of
+            the conv (xBC before it), oldest first. That is the form of the conv's
+            ``initial_states`` (:func:`ssd.layer_ops.causal_conv1d`); mamba_ssm keeps d_conv
+            columns, the newest of which each step overwrites before reading.
+        ssm_state: (b, h, p, n): the SSM state h_t, the form of the SSD's final_states and of
+            ``ssd.selective_state_update``'s state; fp32 (fp64 in an fp64 model) unless asked
+            otherwise.
+    """
+
+    conv_state: torch.Tensor
+    ssm_state: torch.Tensor
+
+    @classmethod
+    def zeros(cls, config: Mamba2Config, batch: int, device=None,
+              ssm_dtype: torch.dtype | None = None) -> "InferenceCache":
+        """The state before any token: zeros, the history a sequence starts from."""
+        dtype = config.torch_dtype
+        return cls(torch.zeros(batch, config.conv_dim, config.d_conv - 1, device=device,
+                               dtype=dtype),
+                   torch.zeros(batch, config.nheads, config.headdim, config.d_state,
+                               device=device, dtype=ssm_dtype or _param_dtype(dtype)))
+
+    @property
+    def batch(self) -> int:
+        return self.ssm_state.shape[0]
+
+    def check(self, config: Mamba2Config, batch: int, device, name: str = "cache"):
+        """Raise TypeError / ValueError naming ``<name>.<field>`` unless the cache fits a step of
+        ``batch`` tokens through a mixer of ``config`` on ``device``."""
+        expected = {
+            "conv_state": ((batch, config.conv_dim, config.d_conv - 1),
+                           f"(batch={batch}, conv_dim={config.conv_dim}, "
+                           f"d_conv-1={config.d_conv - 1})"),
+            "ssm_state": ((batch, config.nheads, config.headdim, config.d_state),
+                          f"(batch={batch}, nheads={config.nheads}, headdim={config.headdim}, "
+                          f"d_state={config.d_state})")}
+        for field, (shape, what) in expected.items():
+            t = getattr(self, field)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}.{field}: expected a torch.Tensor, got "
+                                f"{type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name}.{field}: expected shape {what}, got {tuple(t.shape)}")
+            if t.device != device:
+                raise ValueError(f"{name}.{field}: on {t.device}, but the layer is on {device}")
+        if self.conv_state.dtype != config.torch_dtype:
+            raise TypeError(f"{name}.conv_state: dtype {self.conv_state.dtype}, expected the "
+                            f"model's {config.dtype}")
+        if not self.ssm_state.is_floating_point():
+            raise TypeError(f"{name}.ssm_state: dtype {self.ssm_state.dtype}, expected a float")
 
 
 class Mamba2Mixer(nn.Module):
-    """One Mamba-2 mixer with random weights, forward only.
+    """One Mamba-2 mixer with random weights, inference only.
 
     Args:
         config: the sizes (:class:`Mamba2Config`); the weights take ``config.dtype``.
@@ -516,7 +879,9 @@ class Mamba2Mixer(nn.Module):
     A_log = log U(1, 16); dt_bias = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (floor
     1e-4); D = 1; norm weight = 1.
 
-    ``forward(u)``: u (b, l, d_model) -> (b, l, d_model), both in config.dtype.
+    ``forward(u)``: u (b, l, d_model) -> (b, l, d_model), both in config.dtype. Generation:
+    ``prefill(u, cu_seqlens=None)`` -> (out, :class:`InferenceCache`), then ``step(u_t, cache)``
+    one token at a time, (b, 1, d_model) -> (b, 1, d_model); or ``new_cache(b)`` and steps.
     """
 
     def __init__(self, config: Mamba2Config, backend: str = "torch", *, kernels: str = "torch",
@@ -579,29 +944,100 @@ class Mamba2Mixer(nn.Module):
 
     @torch.no_grad()
     def forward(self, u):
+        _check_input(u, self.config, self.in_proj.weight.device)
+        return self._mix(u)[0]
+
+    def new_cache(self, batch: int, ssm_dtype: torch.dtype | None = None) -> InferenceCache:
+        """A zero :class:`InferenceCache` for ``batch`` sequences, to generate from the start."""
+        return InferenceCache.zeros(self.config, batch, self.in_proj.weight.device, ssm_dtype)
+
+    @torch.no_grad()
+    def prefill(self, u, cu_seqlens=None, *, ssm_dtype: torch.dtype | None = None,
+                check_values: bool = False):
+        """The forward over prompts, handing each prompt's decode state over.
+
+        Args:
+            u: (b, l, d_model): b prompts of l tokens; or, with cu_seqlens, (1, l, d_model):
+                prompts of different lengths packed along one row.
+            cu_seqlens: optional (S + 1,) int32 / int64 on u's device, mamba_ssm's offsets:
+                prompt i is u[0, cu_seqlens[i]:cu_seqlens[i + 1]] (0, rising, l). The conv
+                and the SSD restart at each prompt (seq_idx).
+            ssm_dtype: the cache's SSM state dtype (default fp32, fp64 in an fp64 model).
+            check_values: check cu_seqlens' values (a device synchronisation on a GPU).
+        Returns:
+            (out (b, l, d_model), an :class:`InferenceCache` of b, or S, sequences): out is
+            what :meth:`forward` gives each prompt alone; the cache holds each prompt's last
+            d_conv - 1 conv inputs (zeros before its start) and its final SSM state.
+        """
+        _check_input(u, self.config, self.in_proj.weight.device)
+        seq_idx = None if cu_seqlens is None else _packed_seq_idx(u, cu_seqlens, check_values)
+        return self._prefill(u, cu_seqlens, seq_idx, ssm_dtype)
+
+    @torch.no_grad()
+    def step(self, u_t, cache: InferenceCache):
+        """One token per sequence: u_t (b, 1, d_model) -> (b, 1, d_model), both in
+        config.dtype; ``cache`` (from :meth:`prefill` or :meth:`new_cache`) advanced in place.
+        The output equals the forward's at that position of the whole sequence."""
+        device = self.in_proj.weight.device
+        _check_input(u_t, self.config, device, name="u_t", one_token=True)
+        cache.check(self.config, u_t.shape[0], device)
+        return self._step(u_t, cache)
+
+    def _mix(self, u, seq_idx=None, **packed_and_states):
+        """The layer on u (b, l, d_model) -> (out (b, l, d_model), xBC (b, l, conv_dim) before
+        the conv, the states the SSD returned as asked by ``packed_and_states``)."""
         cfg = self.config
-        _check_input(u, cfg, self.in_proj.weight.device)
-        b, l, _ = u.shape
         h, p, g, n = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
         zxbcdt = self.in_proj(u)  # (b, l, d_in_proj)
-        z, xBC, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, h], dim=-1)  # views
+        z, xBC_in, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, h], dim=-1)  # views
         # Depthwise causal conv over time + SiLU -> one contiguous (b, l, conv_dim) buffer.
         if self._ops is None:
-            xBC = causal_conv1d_torch(xBC, self.conv1d)
+            xBC = causal_conv1d_torch(xBC_in, self.conv1d, seq_idx)
         else:  # reads the xBC columns of zxbcdt in place
-            xBC = self._ops.causal_conv1d(xBC, self.conv1d.weight[:, 0], self.conv1d.bias)
+            packed = {} if seq_idx is None else dict(seq_idx=seq_idx)
+            xBC = self._ops.causal_conv1d(xBC_in, self.conv1d.weight[:, 0], self.conv1d.bias,
+                                          **packed)
         x, B, C = torch.split(xBC, [cfg.d_inner, g * n, g * n], dim=-1)
         A = -torch.exp(self.A_log)  # (h,), < 0
+        if seq_idx is not None:
+            packed_and_states["seq_idx"] = seq_idx
         y = self.ssd(x.unflatten(-1, (h, p)),  # (b, l, h, p)
                      dt,  # (b, l, h), raw: the SSD adds dt_bias and applies softplus
                      A, B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),  # (b, l, g, n)
-                     self.D, self.dt_bias)  # y: (b, l, h, p)
+                     self.D, self.dt_bias, **packed_and_states)  # y: (b, l, h, p)
+        y, *states = y if isinstance(y, tuple) else (y,)
+        return self._norm_out(y.flatten(-2), z), xBC_in, states
+
+    def _norm_out(self, y, z):
+        """Gated RMSNorm and out_proj: y, z (..., d_inner) -> (..., d_model)."""
         if self._ops is None:
-            y = self.norm(y.flatten(-2), z)  # (b, l, d_inner)
+            y = self.norm(y, z)
         else:  # z: the z columns of zxbcdt, read in place
-            y = self._ops.gated_rmsnorm(y.flatten(-2), z, self.norm.weight, self.norm.group_size,
+            y = self._ops.gated_rmsnorm(y, z, self.norm.weight, self.norm.group_size,
                                         self.norm.eps)
-        return self.out_proj(y)  # (b, l, d_model)
+        return self.out_proj(y)
+
+    def _prefill(self, u, cu_seqlens, seq_idx, ssm_dtype):
+        states = (dict(cu_seqlens=cu_seqlens, return_varlen_states=True) if cu_seqlens is not None
+                  else dict(return_final_states=True))
+        out, xBC_in, (ssm_state,) = self._mix(u, seq_idx, **states)
+        conv_state = conv_state_of(xBC_in, self.config.d_conv, cu_seqlens)
+        ssm_dtype = ssm_dtype or _param_dtype(self.config.torch_dtype)
+        return out, InferenceCache(conv_state, ssm_state.to(ssm_dtype).contiguous())
+
+    def _step(self, u_t, cache: InferenceCache):
+        cfg = self.config
+        h, p, g, n = cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state
+        zxbcdt = self.in_proj(u_t[:, 0])  # (b, d_in_proj)
+        z, xBC, dt = torch.split(zxbcdt, [cfg.d_inner, cfg.conv_dim, h], dim=-1)  # views
+        conv_step = conv_step_torch if self._ops is None else self._ops.conv_step
+        xBC = conv_step(cache.conv_state, xBC, self.conv1d.weight[:, 0], self.conv1d.bias)
+        x, B, C = torch.split(xBC, [cfg.d_inner, g * n, g * n], dim=-1)  # (b, conv_dim) views
+        y = self.ssd.step(cache.ssm_state, x.unflatten(-1, (h, p)),  # (b, h, p)
+                          dt, -torch.exp(self.A_log),  # (b, h) raw, (h,)
+                          B.unflatten(-1, (g, n)), C.unflatten(-1, (g, n)),  # (b, g, n)
+                          self.D, self.dt_bias)  # y: (b, h, p)
+        return self._norm_out(y.flatten(-2), z)[:, None]  # (b, 1, d_model)
 
 
 class Mamba2Stack(nn.Module):
@@ -614,7 +1050,9 @@ class Mamba2Stack(nn.Module):
     with ``seed`` and used in layer order; out_proj is scaled by 1/sqrt(n_layers). ``backend``
     and ``kernels`` as :class:`Mamba2Mixer`'s, for every layer.
 
-    ``forward(u)``: u (b, l, d_model) -> hidden states (b, l, d_model).
+    ``forward(u)``: u (b, l, d_model) -> hidden states (b, l, d_model). Generation:
+    :meth:`prefill` (the forward, plus one :class:`InferenceCache` per layer) then :meth:`step`
+    one token at a time, or :meth:`new_cache` and steps from the start.
     """
 
     def __init__(self, config: Mamba2Config, n_layers: int, backend: str = "torch", *,
@@ -638,7 +1076,7 @@ class Mamba2Stack(nn.Module):
         return self.mixers[0].backend
 
     def set_backend(self, backend: str, chunk_size: int | None = None) -> "Mamba2Stack":
-        backend_function(backend)  # fail before changing any layer
+        step_function(backend)  # fail before changing any layer (checks the forward's too)
         for m in self.mixers:
             m.set_backend(backend, chunk_size)
         return self
@@ -658,8 +1096,55 @@ class Mamba2Stack(nn.Module):
             residual = residual + mixer(norm(residual, out_dtype=dtype)).to(residual.dtype)
         return self.norm_f(residual, out_dtype=dtype)
 
+    def new_cache(self, batch: int, ssm_dtype: torch.dtype | None = None) -> list:
+        """One zero :class:`InferenceCache` a layer, for ``batch`` sequences."""
+        return [m.new_cache(batch, ssm_dtype) for m in self.mixers]
+
+    @torch.no_grad()
+    def prefill(self, u, cu_seqlens=None, *, ssm_dtype: torch.dtype | None = None,
+                check_values: bool = False):
+        """The forward over prompts, batched or packed (arguments as
+        :meth:`Mamba2Mixer.prefill`) -> (hidden states (b, l, d_model), [one
+        :class:`InferenceCache` a layer])."""
+        _check_input(u, self.config, self.norm_f.weight.device)
+        seq_idx = None if cu_seqlens is None else _packed_seq_idx(u, cu_seqlens, check_values)
+        dtype = self.config.torch_dtype
+        residual = u.to(_param_dtype(dtype))  # (b, l, d_model), fp32 (fp64)
+        caches = []
+        for norm, mixer in zip(self.norms, self.mixers):
+            out, cache = mixer._prefill(norm(residual, out_dtype=dtype), cu_seqlens, seq_idx,
+                                        ssm_dtype)
+            residual = residual + out.to(residual.dtype)
+            caches.append(cache)
+        return self.norm_f(residual, out_dtype=dtype), caches
+
+    @torch.no_grad()
+    def step(self, u_t, caches):
+        """One token per sequence through every layer: u_t (b, 1, d_model) -> hidden states
+        (b, 1, d_model); ``caches`` (one :class:`InferenceCache` a layer, from :meth:`prefill`
+        or :meth:`new_cache`) advanced in place. Every cache is checked before any changes."""
+        device = self.norm_f.weight.device
+        _check_input(u_t, self.config, device, name="u_t", one_token=True)
+        if not isinstance(caches, (list, tuple)) or len(caches) != len(self.mixers):
+            raise ValueError(f"caches: expected a list of {len(self.mixers)} InferenceCache (one "
+                             f"a layer), got {type(caches).__name__} of "
+                             f"{len(caches) if isinstance(caches, (list, tuple)) else '?'}")
+        for i, cache in enumerate(caches):
+            if not isinstance(cache, InferenceCache):
+                raise TypeError(f"caches[{i}]: expected an InferenceCache, got "
+                                f"{type(cache).__name__}")
+            cache.check(self.config, u_t.shape[0], device, name=f"caches[{i}]")
+        dtype = self.config.torch_dtype
+        residual = u_t.to(_param_dtype(dtype))  # (b, 1, d_model)
+        for norm, mixer, cache in zip(self.norms, self.mixers, caches):
+            residual = residual + mixer._step(norm(residual, out_dtype=dtype),
+                                              cache).to(residual.dtype)
+        return self.norm_f(residual, out_dtype=dtype)
+
 
 __all__ = ["Mamba2Config", "PRESETS", "PRESET_LAYERS", "preset", "config_for_shape", "ssd_torch",
            "ssd_reference_torch", "BACKENDS", "KERNELS", "BackendUnavailable", "backend_function",
            "available_backends", "kernel_ops", "SSDStep", "ssd_replaced", "capture_ssd_calls",
-           "causal_conv1d_torch", "GatedRMSNorm", "RMSNorm", "Mamba2Mixer", "Mamba2Stack"]
+           "causal_conv1d_torch", "GatedRMSNorm", "RMSNorm", "Mamba2Mixer", "Mamba2Stack",
+           "InferenceCache", "step_function", "selective_state_update_torch",
+           "selective_state_update_reference_torch", "conv_step_torch", "conv_state_of"]

@@ -4,7 +4,10 @@
   (:mod:`ssd.kernels.causal_conv1d`), reading xBC where in_proj wrote it and writing the
   contiguous buffer that the SSD reads x, B and C from as views;
 * :func:`gated_rmsnorm` -- the gated RMSNorm per group, y * silu(z) normalised and scaled, in
-  one pass (:mod:`ssd.kernels.gated_rmsnorm`).
+  one pass (:mod:`ssd.kernels.gated_rmsnorm`);
+* :func:`conv_step` -- the conv one token further in generation, its state rolled in place:
+  the boundary a cuTile kernel is meant to take, computed by the PyTorch step of
+  :mod:`ssd.layer` until then.
 
 Each checks its arguments (errors name the argument; shapes by the same contract as the float64
 references of :mod:`ssd.layer_reference`), then launches its kernel on the inputs' device and
@@ -25,7 +28,7 @@ from .api import check_tensor
 from .config import Conv1dConfig, GatedNormConfig
 from .kernels import causal_conv1d as _conv
 from .kernels import gated_rmsnorm as _norm
-from .layer_reference import conv1d_dims, norm_dims
+from .layer_reference import conv1d_dims, conv_step_dims, norm_dims
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATIONS = (None, "silu", "swish")
@@ -97,6 +100,46 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, activ
                                out=out)
 
 
+def conv_step(conv_state, x, weight, bias=None, activation="silu"):
+    """The decode step of :func:`causal_conv1d`: one token per sequence, the conv state rolled
+    in place (the oldest input dropped, x appended), then the depthwise dot, bias and SiLU.
+
+    ``out[b, c] = act(bias[c] + sum_k weight[c, k] * window[b, c, k])`` with window =
+    [conv_state[b, c, :], x[b, c]], fp32 accumulation, one rounding to x's dtype
+    (:func:`ssd.layer_reference.conv_step`).
+
+    This is the function boundary a cuTile kernel is to fill (one block of channels a program,
+    the state read and written once: w - 1 loads, w multiply-adds and w - 1 stores a channel).
+    It runs :func:`ssd.layer.conv_step_torch` today: a handful of small PyTorch ops whose launch
+    latency, not their bytes, is their cost at decode sizes.
+
+    Args:
+        conv_state: (b, c, w-1) of x's dtype, 1 <= w <= MAX_WIDTH, the w-1 previous inputs,
+            oldest first; updated in place.
+        x: (b, c) fp32 / bf16 / fp16 on a CUDA device, any strides (in the layer, the xBC
+            columns of in_proj's output).
+        weight: (c, w); bias: optional (c,); activation: "silu" (or "swish") or None.
+    Returns:
+        (b, c) in x's dtype.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    _check_tensors(x.device, (
+        ("conv_state", conv_state, (x.dtype,), False), ("x", x, FLOAT_DTYPES, False),
+        ("weight", weight, FLOAT_DTYPES, False), ("bias", bias, FLOAT_DTYPES, True)))
+    b, c, w = conv_step_dims(**{k: None if t is None else tuple(t.shape) for k, t in dict(
+        conv_state=conv_state, x=x, weight=weight, bias=bias).items()})
+    if w > MAX_WIDTH:
+        raise ValueError(f"weight: width {w} is wider than the {MAX_WIDTH} the conv kernels "
+                         "take (Mamba-2's d_conv is 4)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    _check_cuda("x", x)
+    from .layer import conv_step_torch
+
+    return conv_step_torch(conv_state, x, weight, bias, activation)
+
+
 def gated_rmsnorm(y, z, weight, group_size=None, eps=1e-5, *,
                   config: GatedNormConfig | None = None, out=None):
     """Mamba-2's gated RMSNorm per group, gate before the norm, in one pass:
@@ -149,4 +192,4 @@ def gated_rmsnorm(y, z, weight, group_size=None, eps=1e-5, *,
                                config=config or GatedNormConfig(), out=out)
 
 
-__all__ = ["causal_conv1d", "gated_rmsnorm", "MAX_WIDTH", "MAX_GROUP"]
+__all__ = ["causal_conv1d", "conv_step", "gated_rmsnorm", "MAX_WIDTH", "MAX_GROUP"]

@@ -11,6 +11,9 @@ are their slow truths, computed in float64 whatever the input dtype:
 
   where x before the sequence start is 0, or the initial conv state; with ``seq_idx`` the
   history is also zero across a sequence boundary inside a row (packed sequences).
+* :func:`conv_step` -- the same convolution one token further in generation: the conv state
+  holds the w - 1 previous inputs, and the step is :func:`causal_conv1d` of one position with
+  that state as its initial state.
 * :func:`gated_rmsnorm` -- Mamba-2's gated RMSNorm with the gate before the norm (mamba_ssm's
   ``RMSNormGated(norm_before_gate=False)``), per group of ``group_size`` channels:
 
@@ -19,7 +22,7 @@ are their slow truths, computed in float64 whatever the input dtype:
 Legend as in :mod:`ssd.reference`: b batch, l seqlen; c channels (conv_dim = d_inner + 2 g n in
 the layer), w the kernel width (Mamba-2's d_conv), d = d_inner the normalised width.
 
-The shape contracts (:func:`conv1d_dims`, :func:`norm_dims`) are shared with the torch
+The shape contracts (:func:`conv1d_dims`, :func:`conv_step_dims`, :func:`norm_dims`) are shared with the torch
 entry points of :mod:`ssd.layer_ops`, so a bad shape reads the same on the CPU and the GPU.
 """
 
@@ -29,7 +32,8 @@ import numpy as np
 
 from .reference import check_inputs, silu
 
-__all__ = ["conv1d_dims", "norm_dims", "causal_conv1d", "gated_rmsnorm"]
+__all__ = ["conv1d_dims", "conv_step_dims", "norm_dims", "causal_conv1d", "conv_step",
+           "gated_rmsnorm"]
 
 
 def _shape_of(name, shape, ndim, what):
@@ -56,6 +60,24 @@ def conv1d_dims(*, x, weight, bias=None, seq_idx=None, initial_states=None) -> t
         raise ValueError(f"initial_states: expected (batch={b}, channels={c}, width-1={w - 1}), "
                          f"got {tuple(initial_states)}")
     return b, l, c, w
+
+
+def conv_step_dims(*, conv_state, x, weight, bias=None) -> tuple:
+    """(b, c, w) from the shapes of :func:`conv_step`'s arguments (bias None: absent).
+
+    Raises ValueError naming the argument whose shape does not fit."""
+    b, c = _shape_of("x", x, 2, "(batch, channels)")
+    if b < 1 or c < 1:
+        raise ValueError(f"x: expected a non-empty (batch, channels), got {tuple(x)}")
+    c_w, w = _shape_of("weight", weight, 2, f"(channels={c}, width)")
+    if c_w != c or w < 1:
+        raise ValueError(f"weight: expected (channels={c}, width >= 1), got {tuple(weight)}")
+    if bias is not None and tuple(bias) != (c,):
+        raise ValueError(f"bias: expected ({c},), got {tuple(bias)}")
+    if conv_state is None or tuple(conv_state) != (b, c, w - 1):
+        raise ValueError(f"conv_state: expected (batch={b}, channels={c}, width-1={w - 1}), "
+                         f"got {None if conv_state is None else tuple(conv_state)}")
+    return b, c, w
 
 
 def norm_dims(*, y, z, weight, group_size=None) -> tuple:
@@ -139,3 +161,28 @@ def gated_rmsnorm(y, z, weight, group_size=None, eps=1e-5):
     v = (y * silu(z)).reshape(*y.shape[:-1], d // group_size, group_size)  # (..., g, group)
     v = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
     return v.reshape(y.shape) * weight
+
+
+def conv_step(conv_state, x, weight, bias=None, activation="silu"):
+    """One token through the depthwise causal conv1d, in float64: the decode step of
+    :func:`causal_conv1d`.
+
+        out[b, c] = silu(bias[c] + sum_k weight[c, k] * [conv_state[b, c, :], x[b, c]][k])
+
+    Args:
+        conv_state: (b, c, w-1), the w-1 inputs before this token, oldest first (the form of
+            :func:`causal_conv1d`'s initial_states).
+        x: (b, c), this token's input; weight: (c, w); bias: optional (c,).
+        activation: "silu" (or "swish") or None.
+    Returns:
+        (out (b, c) float64, the next conv state (b, c, w-1) float64: the oldest input dropped,
+        x appended). ``conv_state`` itself is not modified.
+    """
+    conv_step_dims(conv_state=np.shape(conv_state), x=np.shape(x), weight=np.shape(weight),
+                   bias=None if bias is None else np.shape(bias))
+    x = np.asarray(x, dtype=np.float64)
+    state = np.asarray(conv_state, dtype=np.float64)
+    out = causal_conv1d(x[:, None, :], weight, bias, initial_states=state,
+                        activation=activation)[:, 0]
+    window = np.concatenate([state, x[..., None]], axis=-1)  # (b, c, w): oldest first
+    return out, window[..., 1:]
