@@ -33,7 +33,7 @@ The backward reads the forward's inputs, its stage-1 outputs and the state enter
   recomputed from dt and dt_bias (elementwise).
 
 Gradients come back in each input's dtype, computed in fp32 (fp64 for fp64 inputs, the CPU
-tests). varlen_states (cu_seqlens with return_varlen_states) are returned, but a gradient
+tests); the backward is differentiable once (no second derivatives). varlen_states (cu_seqlens with return_varlen_states) are returned, but a gradient
 flowing into them raises NotImplementedError.
 """
 from __future__ import annotations
@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .backward import ssd_chunked_backward_torch
 
@@ -102,6 +103,7 @@ class ChunkScanCombined(torch.autograd.Function):
         return out + (r["varlen_states"],) if opts.cu_seqlens is not None else out
 
     @staticmethod
+    @once_differentiable  # the saved intermediates carry no graph: no second derivatives
     def backward(ctx, dy, dfinal_states, dvarlen_states=None):
         if dvarlen_states is not None:
             raise NotImplementedError(

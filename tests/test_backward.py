@@ -337,6 +337,16 @@ def test_entering_states_complete_a_grouped_walk():
     assert AG.entering_states({"prev_states": r["prev_states"]}) is r["prev_states"]
 
 
+def test_no_second_derivatives():
+    """The saved intermediates carry no graph: differentiating the backward raises instead of
+    returning a wrong second derivative."""
+    spec = ProblemSpec(1, 9, 2, 3, 4, chunk_size=4, name="bare")
+    t = {k: torch.from_numpy(v).requires_grad_() for k, v in spec.make_inputs(seed=34).items()}
+    (dx,) = torch.autograd.grad(call(spec, t)[0].sum(), [t["x"]], create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|does not require grad"):
+        torch.autograd.grad(dx.sum(), [t["x"]])
+
+
 def test_varlen_states_return_but_refuse_a_gradient():
     spec = ProblemSpec(1, 40, 2, 4, 3, chunk_size=16, initial_states=True,
                        seq_boundaries=(10, 25), name="packed")

@@ -56,6 +56,16 @@ def seed_for(name: str) -> int:
     return (RUN_SEED + zlib.crc32(name.encode())) % 2**31
 
 
+@pytest.fixture(autouse=True)
+def full_fp32_matmuls():
+    """The backward's fp32 einsums in full fp32 (PyTorch's default): TF32 would round their
+    operands to 10 bits, far outside the fp32 tolerance."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 @contextlib.contextmanager
 def poisoned_memory():
     """Within the block, ``torch.empty`` (and every allocation that leaves memory uninitialised)
