@@ -33,8 +33,9 @@ The backward reads the forward's inputs, its stage-1 outputs and the state enter
   recomputed from dt and dt_bias (elementwise).
 
 Gradients come back in each input's dtype, computed in fp32 (fp64 for fp64 inputs, the CPU
-tests); the backward is differentiable once (no second derivatives). varlen_states (cu_seqlens with return_varlen_states) are returned, but a gradient
-flowing into them raises NotImplementedError.
+tests); the backward is differentiable once (no second derivatives). varlen_states (cu_seqlens
+with return_varlen_states) are returned, but a gradient flowing into them raises
+NotImplementedError.
 """
 from __future__ import annotations
 

@@ -354,7 +354,8 @@ class _Scan(NamedTuple):
     def y_ssm(self, l):
         """The output before the skip and gate, (b, l, h, p): diagonal block plus entering
         states' term."""
-        y = torch.einsum("bcgrts,bcsgrp->bctgrp", self.W, self.x) + self.CP * self.decay_in[..., None]
+        y = torch.einsum("bcgrts,bcsgrp->bctgrp", self.W, self.x)
+        y = y + self.CP * self.decay_in[..., None]
         b, _, _, g, r, p = y.shape
         return _unchunk(y, l).reshape(b, l, g * r, p)
 

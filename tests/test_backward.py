@@ -36,7 +36,8 @@ def assert_close(got, want, name, rtol=RTOL):
     max_abs = float(np.abs(err).max()) if err.size else 0.0
     print(f"{name}: rel {rel:.2e}, max-abs {max_abs:.2e}")
     assert rel <= rtol, f"{name}: relative error {rel:.3e} > {rtol:.0e}"
-    assert max_abs <= rtol * max(1.0, float(np.abs(want).max(initial=0.0))), f"{name}: max-abs {max_abs:.3e}"
+    scale = max(1.0, float(np.abs(want).max(initial=0.0)))
+    assert max_abs <= rtol * scale, f"{name}: max-abs error {max_abs:.3e}"
 
 
 def tensors(arrays: dict) -> dict:
@@ -137,7 +138,8 @@ def test_chunk_cumsum_backward_matches_numpy(name):
                                              **tensors(args), dt_out=saved)
         assert sorted(got) == sorted(want)
         for key in want:
-            assert_close(got[key], want[key], f"{name} chunk_cumsum {key} (saved={saved is not None})")
+            assert_close(got[key], want[key],
+                         f"{name} chunk_cumsum {key} (saved={saved is not None})")
 
 
 def test_prepare_dt_backward_matches_numpy_at_the_kinks():
@@ -314,7 +316,8 @@ def test_entering_states_complete_a_grouped_walk():
     """A grouped stage-2 walk stores each group's states from a zero start, with each chunk's
     carry from its group's start and each group's entering state; completed, they are the
     entering states."""
-    spec = EDGE_SHAPES["seq-idx-mid-chunk"].replace(seqlen=200, seq_boundaries=((5, 70, 150), (0, 100)))
+    spec = EDGE_SHAPES["seq-idx-mid-chunk"].replace(seqlen=200,
+                                                    seq_boundaries=((5, 70, 150), (0, 100)))
     inputs = spec.make_inputs(seed=29)
     ref = spec.reference(inputs)
     c, G = spec.nchunks, 3

@@ -18,7 +18,8 @@ def cpu_gradients(shape, inputs, dy, chunk_size=16):
     x, dt, A, B, C, D, bias = (leaves[k] for k in BB.LEAVES)
     y = AG.chunk_scan_combined(x, dt, A, B, C, chunk_size, D=D, dt_bias=bias, dt_softplus=True,
                                stages=AG.torch_stages)
-    return dict(zip(("d" + k for k in BB.LEAVES), torch.autograd.grad(y, list(leaves.values()), dy)))
+    grads = torch.autograd.grad(y, list(leaves.values()), dy)
+    return dict(zip(("d" + k for k in BB.LEAVES), grads))
 
 
 def test_gate_passes_the_backward_and_fails_a_wrong_gradient():
@@ -43,7 +44,8 @@ def record(shape, impl, q, what, ms, mode="graph"):
 RECORDS = [
     record("a", "ssd", 64, "forward", 0.2), record("a", "ssd", 64, "forward+backward", 1.0),
     record("a", "ssd", 128, "forward", 0.1), record("a", "ssd", 128, "forward+backward", 1.2),
-    record("a", "mamba_ssm", 64, "forward", 0.3), record("a", "mamba_ssm", 64, "forward+backward", 2.0),
+    record("a", "mamba_ssm", 64, "forward", 0.3),
+    record("a", "mamba_ssm", 64, "forward+backward", 2.0),
     record("b", "ssd", 64, "forward", 0.5), record("b", "ssd", 64, "forward+backward", 4.0),
     record("b", "mamba_ssm", 64, "forward+backward", 2.0, mode="eager"),
 ]

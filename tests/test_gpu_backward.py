@@ -304,7 +304,8 @@ def test_matches_mamba_ssm_backward_where_it_is_correct(name, gpu_record):
                         torch.autograd.grad([y, final], list(leaves.values()), [dy, dfinal])))
     except Exception as exc:  # a peer failure is data, not our failure
         gpu_record.append(dict(test="peer/mamba_ssm-backward", record="backward", shape=name,
-                               dtype=dtype, kind="peer", error=f"{type(exc).__name__}: {exc}"[:300]))
+                               dtype=dtype, kind="peer",
+                               error=f"{type(exc).__name__}: {exc}"[:300]))
         peer = {}
     failures = []
     for key, out in ours.items():
