@@ -53,7 +53,12 @@ from .env import RESULTS, ROOT, environment, gpu_slug, write_json
 
 @dataclass(frozen=True)
 class Shape:
-    """A benchmark problem: (batch, seqlen, heads, headdim, dstate, groups) and a name."""
+    """A benchmark problem: (batch, seqlen, heads, headdim, dstate, groups) and a name.
+
+    ``seq_boundaries``: positions where a new packed sequence starts, the same in every batch
+    row (empty: one sequence a row). A packed shape's inputs carry seq_idx (b, l), seq_idx[t] =
+    the number of boundaries <= t, so the state resets at each boundary (mamba_ssm's packing).
+    """
 
     name: str
     b: int
@@ -62,10 +67,122 @@ class Shape:
     p: int
     n: int
     g: int = 1
+    seq_boundaries: tuple = ()
 
     @property
     def dims(self):
         return (self.b, self.l, self.h, self.p, self.n, self.g)
+
+    @property
+    def packed(self) -> bool:
+        return bool(self.seq_boundaries)
+
+
+@dataclass(frozen=True)
+class ModelHeads:
+    """The SSD problem of one published model's Mamba-2 layers: h heads of headdim p, state
+    size n, g groups of B and C (batch and sequence length are the caller's)."""
+
+    name: str
+    h: int
+    p: int
+    n: int
+    g: int
+
+
+# The Mamba-2 layers of published models, each from its published configuration:
+#
+# - mamba2-130m .. mamba2-2.7b: d_model 768, 1024, 1536, 2048, 2560 (state-spaces/mamba README,
+#   "Pretrained Models": https://github.com/state-spaces/mamba#pretrained-models; e.g.
+#   https://huggingface.co/state-spaces/mamba2-130m/blob/main/config.json: d_model 768,
+#   ssm_cfg {"layer": "Mamba2"} and nothing else), with the Mamba2 module's defaults expand 2,
+#   headdim 64, d_state 128, ngroups 1 (mamba_ssm/modules/mamba2.py,
+#   https://github.com/state-spaces/mamba/blob/main/mamba_ssm/modules/mamba2.py): h = 2 d_model / 64.
+# - codestral-7b: num_heads 128, head_dim 64, state_size 128, n_groups 8, read from two
+#   conversions of mistralai/Mamba-Codestral-7B-v0.1 that agree (quantisation leaves the SSM
+#   sizes as they are): https://huggingface.co/mlx-community/Mamba-Codestral-7B-v0.1-8bit/blob/main/config.json
+#   and https://huggingface.co/Molbap/code2/blob/main/config.json
+# - nemotron-h-4b/8b/56b, nemotron-nano-9b-v2: mamba_num_heads 112/128/256/128, mamba_head_dim
+#   64/64/64/80, mamba_state_dim 128/128/256/128, mamba_num_groups 8 (NVIDIA's Megatron Bridge
+#   model providers: https://github.com/NVIDIA-NeMo/Megatron-Bridge/blob/main/src/megatron/bridge/models/nemotronh/nemotron_h_provider.py;
+#   Nemotron-H's Mamba width is heads x head_dim, not 2 d_model).
+# - bamba-9b: mamba_n_heads 128, mamba_d_head 64, mamba_d_state 128, mamba_n_groups 1:
+#   https://huggingface.co/ibm-fms/Bamba-9B-1.8T/blob/main/config.json
+# - granite-4.0-h-small/-tiny/-350m, read from the GGUF metadata of IBM's and Ollama's builds
+#   (llama.cpp's Mamba-2 keys: ssm.time_step_rank is the head count, head dim = ssm.inner_size
+#   / heads): inner 8192 / 3072 / 1536, heads 128 / 48 / 48, state 128, groups 1
+#   (https://ollama.com/ibm/granite4:small-h-q6_K, https://ollama.com/library/granite4:7b-a1b-h,
+#   https://ollama.com/ibm/granite4:350m-h-base-q4_K_S).
+# - zamba2-2.7b: n_mamba_heads 80, mamba_headdim 64, mamba_d_state 64, mamba_ngroups 1:
+#   https://huggingface.co/Zyphra/Zamba2-2.7B-Instruct-v2/blob/main/config.json
+#   Left out: Zamba2-1.2B and -7B (the configs found do not state ngroups).
+MAMBA2_MODELS = (
+    ModelHeads("mamba2-130m", 24, 64, 128, 1), ModelHeads("mamba2-370m", 32, 64, 128, 1),
+    ModelHeads("mamba2-780m", 48, 64, 128, 1), ModelHeads("mamba2-1.3b", 64, 64, 128, 1),
+    ModelHeads("mamba2-2.7b", 80, 64, 128, 1), ModelHeads("codestral-7b", 128, 64, 128, 8),
+    ModelHeads("nemotron-h-4b", 112, 64, 128, 8), ModelHeads("nemotron-h-8b", 128, 64, 128, 8),
+    ModelHeads("nemotron-h-56b", 256, 64, 256, 8),
+    ModelHeads("nemotron-nano-9b-v2", 128, 80, 128, 8),
+    ModelHeads("bamba-9b", 128, 64, 128, 1), ModelHeads("granite-4.0-h-small", 128, 64, 128, 1),
+    ModelHeads("granite-4.0-h-tiny", 48, 64, 128, 1),
+    ModelHeads("granite-4.0-h-350m", 48, 32, 128, 1), ModelHeads("zamba2-2.7b", 80, 64, 64, 1),
+)
+
+
+@dataclass(frozen=True)
+class RobustDraw:
+    """How :func:`robust_shapes` draws: ``per_model`` shapes of every model of ``models``, batch
+    and sequence length log-uniform over ``batch`` and ``seqlen`` (inclusive), half of the shapes
+    packed with 2 to ``max_sequences`` sequences a row, half of the lengths a power of two and
+    half ragged, at most ``token_heads`` b x l x h each (the cap keeps the largest inputs under a
+    GB and a forward well under a second: a shape above it loses batch rows first, then tokens)."""
+
+    seed: int = 20240531
+    per_model: int = 2
+    batch: tuple = (1, 32)
+    seqlen: tuple = (256, 32768)
+    max_sequences: int = 8
+    token_heads: int = 2**22
+    models: tuple = MAMBA2_MODELS
+
+
+def _stratified(rng, count: int):
+    """``count`` draws of U(0, 1), one in each of ``count`` equal strata, in random order: a
+    small sample still reaches both ends of the range."""
+    return (rng.permutation(count) + rng.random(count)) / count
+
+
+def robust_shapes(draw: RobustDraw = RobustDraw()) -> list:
+    """The ``robust`` suite: shapes drawn with ``draw.seed`` from the Mamba-2 layers of published
+    models (:data:`MAMBA2_MODELS`) x batch x sequence length x packed or not, the same list on
+    every machine (numpy's Generator). Named ``r<i>-<model>-b<b>-l<l>`` plus ``-s<k>`` for k
+    packed sequences a row: the names say what a shape is, nothing is chosen by name."""
+    rng = np.random.default_rng(draw.seed)
+    count = draw.per_model * len(draw.models)
+    models = np.resize(np.arange(len(draw.models)), count)
+    rng.shuffle(models)
+    (b_lo, b_hi), (l_lo, l_hi) = draw.batch, draw.seqlen
+    batch = np.rint(b_lo * (b_hi / b_lo) ** _stratified(rng, count)).astype(int)
+    log_l = np.log2(l_lo) + np.log2(l_hi / l_lo) * _stratified(rng, count)
+    ragged = rng.permutation(count) % 2 == 1
+    packed = rng.permutation(count) % 2 == 0
+    shapes = []
+    for i in range(count):
+        m = draw.models[models[i]]
+        b = int(batch[i])
+        l = int(np.rint(2.0 ** log_l[i])) if ragged[i] else int(2 ** np.rint(log_l[i]))
+        if b * l * m.h > draw.token_heads:  # fewer rows first, then a shorter sequence
+            b = max(1, draw.token_heads // (l * m.h))
+            l = min(l, draw.token_heads // (b * m.h))
+        boundaries = ()
+        if packed[i]:
+            k = int(rng.integers(2, draw.max_sequences + 1))
+            boundaries = tuple(int(t) for t in np.sort(rng.choice(np.arange(1, l), k - 1,
+                                                                   replace=False)))
+        tag = f"-s{len(boundaries) + 1}" if boundaries else ""
+        shapes.append(Shape(f"r{i:02d}-{m.name}-b{b}-l{l}{tag}", b, l, m.h, m.p, m.n, m.g,
+                            boundaries))
+    return shapes
 
 
 SUITES = {
@@ -79,6 +196,8 @@ SUITES = {
     # Sequence-length sweep on the 2.7b layer at a fixed token budget of 64k tokens.
     "seqlen": [Shape(f"2.7b-l{l}", max(1, 65536 // l), l, 80, 64, 128, 1)
                for l in (1024, 2048, 4096, 8192, 16384, 32768, 65536)],
+    # Shapes drawn from the Mamba-2 layers of published models, packed or not (robust_shapes).
+    "robust": robust_shapes(),
 }
 # The suites time every implementation that takes a chunk size at each of these and count its
 # fastest: the issue asks it of mamba_ssm, and ours is held to the same rule (TileGym tuned picks
@@ -98,7 +217,8 @@ def make_inputs(shape: Shape, dtype="bfloat16", seed=0, device="cuda") -> dict:
     """Model-like inputs: what a Mamba-2 layer passes (D per head, dt_bias, softplus).
 
     x, B, C ~ N(0, 1); dt_bias chosen so dt' = softplus(dt + dt_bias) lies in the
-    Mamba-2 initialisation range [1e-3, 1e-1]; A = -exp(U(0, log 16)).
+    Mamba-2 initialisation range [1e-3, 1e-1]; A = -exp(U(0, log 16)). A packed shape
+    (``shape.seq_boundaries``) adds seq_idx (b, l) int32, the same in every row.
     """
     import torch
 
@@ -111,13 +231,26 @@ def make_inputs(shape: Shape, dtype="bfloat16", seed=0, device="cuda") -> dict:
 
     target = torch.exp(torch.empty(h, device=device).uniform_(math.log(1e-3), math.log(1e-1),
                                                               generator=gen))
-    return dict(
+    inputs = dict(
         x=randn(b, l, h, p), B=randn(b, l, g, n), C=randn(b, l, g, n),
         dt=(0.5 * randn(b, l, h, dt=torch.float32)).to(t),
         dt_bias=torch.log(torch.expm1(target)),  # inverse softplus of the target step
         A=-torch.exp(torch.empty(h, device=device).uniform_(0, math.log(16), generator=gen)),
         D=randn(h, dt=torch.float32),
     )
+    if shape.packed:
+        inputs["seq_idx"] = packed_seq_idx(shape, device)
+    return inputs
+
+
+def packed_seq_idx(shape: Shape, device="cuda"):
+    """seq_idx (b, l) int32 of a packed shape: at t, the number of its seq_boundaries <= t."""
+    import torch
+
+    starts = torch.tensor(shape.seq_boundaries, dtype=torch.int32, device=device)
+    positions = torch.arange(shape.l, dtype=torch.int32, device=device)
+    row = torch.searchsorted(starts, positions, right=True).to(torch.int32)  # (l,)
+    return row.expand(shape.b, shape.l).contiguous()
 
 
 def _forward_args(inputs):
@@ -136,27 +269,34 @@ def positive_dt(inputs):
 
 
 def implementations(inputs, names=("ssd", "mamba_ssm", "tilegym"), config=None):
-    """name -> {chunk_size: zero-argument callable returning y}, for the peers available."""
+    """name -> {chunk_size: zero-argument callable returning y}, for the peers available, and
+    name -> why, for those skipped. Packed inputs (a ``seq_idx`` key) go with their seq_idx to
+    every implementation that takes it (ours, mamba_ssm's)."""
     import torch
 
     from .. import api
     from . import peers
 
     x, dt, A, B, C, D, bias = _forward_args(inputs)
+    packed = {"seq_idx": inputs["seq_idx"]} if "seq_idx" in inputs else {}
     out, skipped = {}, {}
     if "ssd" in names:
         out["ssd"] = {q: (lambda q=q: api.mamba_chunk_scan_combined(
-            x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=config))
+            x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=config, **packed))
             for q in SUITE_CHUNKS}
     if "mamba_ssm" in names:
         try:
             mamba = peers.mamba_ssm_forward()
             out["mamba_ssm"] = {q: (lambda q=q: mamba(x, dt, A, B, C, q, D=D, dt_bias=bias,
-                                                      dt_softplus=True)) for q in SUITE_CHUNKS}
+                                                      dt_softplus=True, **packed))
+                                for q in SUITE_CHUNKS}
         except peers.PeerUnavailable as exc:
             skipped["mamba_ssm"] = str(exc)
     for name in ("tilegym", "tilegym_tuned"):
         if name not in names:
+            continue
+        if packed:
+            skipped[name] = "TileGym's forward takes no seq_idx (packed sequences)"
             continue
         try:
             tg = peers.tilegym_adapter()
@@ -303,6 +443,8 @@ class Gate:
                   A=_np64(inputs["A"][hs]), B=_np64(inputs["B"][-1:, :, gsel]),
                   C=_np64(inputs["C"][-1:, :, gsel]), D=_np64(inputs["D"][hs]),
                   dt_bias=_np64(inputs["dt_bias"][hs]))
+        if "seq_idx" in inputs:  # packed: the last row's sequences, as the forward saw them
+            sl["seq_idx"] = inputs["seq_idx"][-1:].cpu().numpy().astype(np.int32)
         self.ref = spec.reference(sl)["y"]  # (1, l, heads, p)
 
     def __call__(self, y) -> float:
@@ -489,6 +631,7 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
         table, skipped = implementations(inputs, impls, config)
         skipped_all.update({f"{shape.name}/{k}": v for k, v in skipped.items()})
         floor = floor_ms(shape, ceilings)
+        packing = dict(seq_boundaries=list(shape.seq_boundaries)) if shape.packed else {}
         if "mamba_ssm" in table:
             peers.retune_mamba_ssm()  # tune on this shape, not on the suite's first one
         replayed = (tilegym_replay or {}).get(shape.name)
@@ -516,12 +659,12 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
                             stats = time_fn(fn, mode=mode, l2=l2, reps=reps)
                             records.append(dict(shape=shape.name, dims=list(shape.dims), impl=impl,
                                                 chunk_size=q, mode=mode, l2=l2, dtype=dtype,
-                                                **stats, **floor, gate_rel_err=err,
+                                                **packing, **stats, **floor, gate_rel_err=err,
                                                 first_call_s=first_s, **tuning))
             # ours' stage times at its fastest chunk size, as the peers' at theirs
             if stages or "tilegym_tuned" in table:
                 our_q = fastest_chunk(records, shape.name, "ssd") or OUR_CHUNK
-            if stages:
+            if stages and not shape.packed:  # stage_times times the unpacked kernels
                 row = dict(shape=shape.name, ssd_chunk_size=our_q,
                            ssd=stage_times(inputs, our_q, config=config))
                 mamba_q = fastest_chunk(records, shape.name, "mamba_ssm")
@@ -617,6 +760,33 @@ def speedups(records, over="mamba_ssm", mode="graph", l2="flushed") -> dict:
     out = {s: theirs[s]["median_ms"] / ours[s]["median_ms"] for s in common}
     if out:
         out["geomean"] = float(np.exp(np.mean(np.log(list(out.values())))))
+    return out
+
+
+#: What the robust suite is held to: in CUDA-graph replay a geometric mean of at least 2.0x
+#: mamba_ssm's best chunk size and at least 1.6x on every shape; launched eagerly, at least as
+#: fast as mamba_ssm launched eagerly on every shape (each bound inclusive).
+ROBUST_GOALS = dict(graph_geomean=2.0, graph_min=1.6, eager_min=1.0)
+
+
+def speedup_summary(records, over="mamba_ssm", l2="flushed", goals=None) -> dict:
+    """mode ("graph", "eager") -> ours over ``over``, each at its best chunk size
+    (:func:`speedups`): the geometric mean, the slowest shape's speedup and name, and the number
+    of shapes both timed. With ``goals`` (as :data:`ROBUST_GOALS`), each mode also says whether
+    it met them (``met``)."""
+    out = {}
+    for mode in ("graph", "eager"):
+        sp = speedups(records, over, mode, l2)
+        per = {k: v for k, v in sp.items() if k != "geomean"}
+        if not per:
+            continue
+        slowest = min(per, key=per.get)
+        out[mode] = dict(geomean=sp["geomean"], min=per[slowest], min_shape=slowest,
+                         shapes=len(per))
+        if goals:
+            want = {k.removeprefix(f"{mode}_"): v for k, v in goals.items()
+                    if k.startswith(f"{mode}_")}
+            out[mode]["met"] = all(out[mode][k] >= v for k, v in want.items())
     return out
 
 
@@ -1100,9 +1270,13 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="graph + flushed only, no stages")
     parser.add_argument("--out", help="output JSON (default results/<gpu>/<suite>.json)")
     parser.add_argument("--merge", action="store_true",
-                        help="with --shapes: merge these shapes into the suite's recording (made "
-                             "at the same revision with the same settings) instead of writing a "
-                             "file of their own, so a suite can be split over several commands")
+                        help="with --shapes or --shard: merge these shapes into the suite's "
+                             "recording (made at the same revision with the same settings) "
+                             "instead of writing a file of their own, so a suite can be split "
+                             "over several commands")
+    parser.add_argument("--shard", metavar="I/K",
+                        help="only every K-th shape of the suite, starting with the I-th (1 <= I "
+                             "<= K): K commands with --merge record the whole suite")
     parser.add_argument("--vary", action="append", metavar="STAGE.FIELD=V1,V2",
                         help="study only: time these values of one field each around the default "
                              "instead of the study's space (e.g. state.block_k=16,32, q=128, or "
@@ -1132,8 +1306,11 @@ def main(argv=None) -> int:
     if args.tilegym_table:
         print(f"wrote {write_tilegym_table(args.tilegym_table)}")
         return 0
-    if args.merge and not args.shapes:
-        parser.error("--merge goes with --shapes")
+    if args.merge and not (args.shapes or args.shard):
+        parser.error("--merge goes with --shapes or --shard")
+    if args.shard and (args.shapes or args.suite in ("study", "first-call")):
+        parser.error("--shard goes with a suite's whole list, not with --shapes, study or first-call")
+    shard = _parse_shard(parser, args.shard) if args.shard else None
     if args.vary and args.suite != "study":
         parser.error("--vary goes with --suite study")
     if args.stages and args.suite != "study":
@@ -1148,16 +1325,27 @@ def main(argv=None) -> int:
     if unknown := [n for n in names if n not in pool]:
         parser.error(f"--shapes: {', '.join(unknown)} not in the {args.suite} suite "
                      f"(it has: {', '.join(pool) or 'no named shapes'})")
+    if shard:
+        names = names[shard[0] - 1::shard[1]]
     shapes = [pool[n] for n in names]
     with contextlib.ExitStack() as stack:
         caches = fresh_kernel_caches(stack)
         return _run(parser, args, shapes, names, caches)
 
 
+def _parse_shard(parser, text: str) -> tuple:
+    """--shard "I/K" -> (I, K), 1 <= I <= K."""
+    i, _, k = text.partition("/")
+    if not (i.isdigit() and k.isdigit() and 1 <= int(i) <= int(k)):
+        parser.error(f"--shard {text!r}: expected I/K with 1 <= I <= K, e.g. 2/4")
+    return int(i), int(k)
+
+
 def _suite_path(args, names, env) -> Path:
     name = "study-vary" if args.vary else args.suite
-    if args.shapes and not args.merge:  # a subset never overwrites the suite's recording
-        name += "-" + "+".join(names)
+    if (args.shapes or args.shard) and not args.merge:  # a subset never overwrites the suite's
+        i, _, k = (args.shard or "").partition("/")
+        name += f"-shard{i}of{k}" if args.shard else "-" + "+".join(names)
     return RESULTS / gpu_slug(env) / f"{name}.json"
 
 
@@ -1198,6 +1386,27 @@ def merge_runs(old: dict, new: dict) -> dict:
     return out
 
 
+def print_suite(payload, file=None):
+    """The suite's table (graph replay, L2 flushed; the eager speedup beside) and its summary."""
+    p = lambda *a: print(*a, file=file or sys.stdout)  # noqa: E731
+    records = payload["records"]
+    sp, eager = payload["speedup_vs_mamba_ssm"], speedups(records, mode="eager")
+    ours, mamba = best_records(records, "ssd"), best_records(records, "mamba_ssm")
+    width = max([16, *map(len, ours)])
+    p(f"\n{'shape':{width}s}  ours ms   mamba_ssm best ms   speedup   eager x   floor ms   "
+      "ours/floor")
+    for s, r in ours.items():
+        m = mamba.get(s)
+        p(f"{s:{width}s} {r['median_ms']:8.3f}   {m['median_ms'] if m else float('nan'):8.3f} "
+          f"(q{m['chunk_size'] if m else '-'})   {sp.get(s, float('nan')):6.2f}x  "
+          f"{eager.get(s, float('nan')):6.2f}x  {r['floor_ms']:8.3f}   "
+          f"{r['floor_ms'] / r['median_ms']:6.1%}")
+    for mode, row in payload.get("summary", {}).items():
+        met = "" if "met" not in row else ("  goals met" if row["met"] else "  goals missed")
+        p(f"{mode}: geomean speedup over mamba_ssm {row['geomean']:.2f}x, slowest "
+          f"{row['min']:.2f}x ({row['min_shape']}), {row['shapes']} shapes{met}")
+
+
 def _run(parser, args, shapes, names, caches) -> int:
     env = dict(environment(), kernel_caches=caches)
     replay = None
@@ -1224,6 +1433,8 @@ def _run(parser, args, shapes, names, caches) -> int:
                       + f"{factor}: {label}")
     else:
         quick = dict(modes=("graph",), l2s=("flushed",), stages=False) if args.quick else {}
+        if args.suite == "robust":  # its question is graph and eager, inputs from HBM: no warm-L2
+            quick = dict(dict(l2s=("flushed",), stages=False), **quick)  # runs, no stage times
         # a merged recording keeps one set of ceilings: the floors of all its records use them
         ceilings = merged.get("ceilings") if (merged := _merge_target(args, env)) else None
         payload = run_suite(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
@@ -1233,14 +1444,11 @@ def _run(parser, args, shapes, names, caches) -> int:
             payload = merge_runs(merged, payload)
         sp = speedups(payload["records"])
         payload["speedup_vs_mamba_ssm"] = sp
-        print("\nshape            ours ms   mamba_ssm best ms   speedup   floor ms   ours/floor")
-        ours, mamba = best_records(payload["records"], "ssd"), best_records(payload["records"], "mamba_ssm")
-        for s, r in ours.items():
-            m = mamba.get(s)
-            print(f"{s:16s} {r['median_ms']:8.3f}   {m['median_ms'] if m else float('nan'):8.3f} "
-                  f"(q{m['chunk_size'] if m else '-'})   {sp.get(s, float('nan')):6.2f}x  "
-                  f"{r['floor_ms']:8.3f}   {r['floor_ms'] / r['median_ms']:6.1%}")
-        print(f"geomean speedup over mamba_ssm: {sp.get('geomean', float('nan')):.2f}x")
+        goals = ROBUST_GOALS if args.suite == "robust" else None
+        payload["summary"] = speedup_summary(payload["records"], goals=goals)
+        if goals:
+            payload["goals"] = goals
+        print_suite(payload)
         for f in payload["failures"]:
             print("FAILED", f)
     payload["environment"] = env
