@@ -3,7 +3,8 @@
 * ``ssd.reference``  NumPy ladder (recurrence, quadratic form, chunked stages); CPU only.
 * ``ssd.problem``    named problem shapes with seeded inputs and per-stage references.
 * ``ssd.mamba_chunk_scan_combined``  the cuTile forward (needs an NVIDIA GPU, torch and
-  cuda-tile); imported lazily so that the CPU chapters need neither.
+  cuda-tile), differentiable (``ssd.autograd``, the backward of ``ssd.backward`` in PyTorch);
+  imported lazily so that the CPU chapters need neither.
 * ``ssd.selective_state_update``  the decode step (one token advances each state in place),
   mamba_ssm's signature; also lazy.
 * ``ssd.wait_tuned``  wait for tuned kernels still compiling in the background (a first call

@@ -1,4 +1,4 @@
-"""The public forward: ``mamba_chunk_scan_combined``, a drop-in for mamba_ssm's.
+"""The public entry point: ``mamba_chunk_scan_combined``, a drop-in for mamba_ssm's.
 
 It validates the arguments (shapes, dtypes, devices: errors name the argument), then runs the
 three cuTile stages on the inputs' device and current stream::
@@ -15,6 +15,10 @@ sequence starts; with ``cu_seqlens`` and ``return_varlen_states`` a fourth kerne
 (:mod:`ssd.kernels.chunk_state_varlen`) also gives each sequence's final state, from the chunk
 where it ends and the state stage 2 stored for that chunk.
 
+Where a gradient is required, the same forward runs inside a ``torch.autograd.Function``
+(:mod:`ssd.autograd`, which says what it saves for the backward and what the backward
+recomputes); the backward is :mod:`ssd.backward`, the stages' gradients in PyTorch.
+
 Value checks that would need the GPU to report back (A <= 0, finite inputs, seq_idx
 non-decreasing, cu_seqlens' offsets) would force a device synchronisation and break CUDA-graph capture, so they run
 only with ``check_values=True``. Inputs may be non-contiguous (kernels take strides); a tensor
@@ -26,6 +30,7 @@ import math
 
 import torch
 
+from . import autograd as _autograd
 from .kernels import chunk_cumsum as _cumsum
 from .kernels import chunk_scan as _scan
 from .kernels import chunk_state as _state
@@ -71,8 +76,7 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
     cu_seqlens is checked only with return_varlen_states, the one call that reads it (as in
     mamba_ssm, which ignores it otherwise).
 
-    Raises TypeError / ValueError / NotImplementedError whose message starts with the
-    argument's name.
+    Raises TypeError / ValueError whose message starts with the argument's name.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
@@ -106,15 +110,6 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
         raise TypeError(f"dt_limit: expected a pair (lo, hi), got {dt_limit!r}") from exc
     if math.isnan(lo) or math.isnan(hi) or not 0.0 <= lo <= hi:
         raise ValueError(f"dt_limit: expected 0 <= lo <= hi, got {tuple(dt_limit)!r}")
-    grads = [name for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D),
-                                  ("z", z), ("dt_bias", dt_bias),
-                                  ("initial_states", initial_states))
-             if t is not None and t.requires_grad]
-    if grads and torch.is_grad_enabled():
-        raise NotImplementedError(
-            f"{grads[0]}: requires grad, but ssd implements the forward pass only (no backward "
-            "yet). Run under torch.no_grad() / torch.inference_mode(), or use mamba_ssm for "
-            "training.")
     if check_values:
         if not torch.isfinite(A).all() or (A > 0).any():
             raise ValueError("A: must be finite and <= 0 so that every decay exp(dt*A) is <= 1")
@@ -245,7 +240,12 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               dt_softplus=False, dt_limit=(0.0, float("inf")),
                               return_final_states=False, return_varlen_states=False, *,
                               config: SSDConfig | None = None, check_values: bool = False):
-    """Mamba-2 SSD forward with mamba_ssm's signature, shapes, dtypes and semantics.
+    """Mamba-2 SSD with mamba_ssm's signature, shapes, dtypes and semantics.
+
+    Differentiable: where grad mode is on and an input requires grad, the call goes through
+    :class:`ssd.autograd.ChunkScanCombined` (this forward, saving what the backward reads; the
+    backward of :mod:`ssd.backward`), and every float input gets its gradient in its own dtype.
+    Otherwise nothing is saved and the forward runs alone.
 
     Args:
         x: (b, l, h, p) fp32 / bf16 / fp16 on a CUDA device.
@@ -271,6 +271,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         return_varlen_states, varlen_states comes last: (y, varlen_states) or (y,
         final_states, varlen_states), mamba_ssm's order.
 
+    A gradient flowing into varlen_states raises NotImplementedError (in the backward).
+
     The first call for a new shape or configuration compiles its kernels (seconds). chunk_scan's
     tuned build then compiles in a child process while a quick build computes the same values
     (:mod:`ssd.launch`); call :func:`ssd.wait_tuned` before timing this function.
@@ -278,6 +280,12 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     validate(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
              seq_idx=seq_idx, dt_limit=dt_limit, check_values=check_values,
              cu_seqlens=cu_seqlens, return_varlen_states=return_varlen_states)
+    if _autograd.requires_grad(x, dt, A, B, C, D, z, dt_bias, initial_states):
+        return _autograd.chunk_scan_combined(
+            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+            seq_idx=seq_idx, cu_seqlens=cu_seqlens, dt_softplus=dt_softplus, dt_limit=dt_limit,
+            return_final_states=return_final_states, return_varlen_states=return_varlen_states,
+            stages=forward_stages, config=config)
     r = forward_stages(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                        initial_states=initial_states, seq_idx=seq_idx, dt_softplus=dt_softplus,
                        dt_limit=dt_limit, config=config,

@@ -74,7 +74,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layer_reference import conv_step_dims
+from .layer_reference import conv_step_torch
 from .reference import check_cu_seqlens, check_shapes, check_step_shapes, check_varlen_shapes
 
 INF = float("inf")
@@ -696,34 +696,6 @@ def _packed_conv1d(xBC, weight, bias, seq_idx):
         same = (se[:, k:k + l] == seq_idx)[..., None]  # (b, l, 1): no boundary crossed
         out = out + weight[:, k].to(f) * xe[:, k:k + l].masked_fill(~same, 0.0)
     return F.silu(out).to(xBC.dtype)
-
-
-def conv_step_torch(conv_state, x, weight, bias=None, activation="silu"):
-    """One token through the depthwise causal conv1d, in plain PyTorch: the decode step of
-    :func:`causal_conv1d_torch` (``kernels="torch"``; ``ssd.layer_ops.conv_step`` calls it
-    too). Computes in fp32 (fp64 for fp64) and rounds once
-    (:func:`ssd.layer_reference.conv_step`).
-
-    Args:
-        conv_state: (b, c, w-1) of x's dtype, the w-1 previous inputs, oldest first; updated
-            in place: the oldest dropped, x appended.
-        x: (b, c), this token's input (in the layer, the xBC columns of in_proj's output).
-        weight: (c, w); bias: optional (c,); activation: "silu" (or "swish") or None.
-    Returns:
-        (b, c) in x's dtype.
-    """
-    conv_step_dims(**{k: None if t is None else tuple(t.shape) for k, t in dict(
-        conv_state=conv_state, x=x, weight=weight, bias=bias).items()})
-    if conv_state.dtype != x.dtype:
-        raise TypeError(f"conv_state: dtype {conv_state.dtype}, expected x's {x.dtype} (it holds "
-                        "earlier inputs exactly)")
-    f = _param_dtype(x.dtype)
-    window = torch.cat([conv_state.to(f), x.to(f)[..., None]], dim=-1)  # (b, c, w): t-w+1 .. t
-    out = (window * weight.to(f)).sum(-1)  # (b, c)
-    if bias is not None:
-        out = out + bias.to(f)
-    conv_state.copy_(window[..., 1:])  # exact: the values came from x's dtype
-    return (F.silu(out) if activation else out).to(x.dtype)
 
 
 def conv_state_of(xBC, width: int, cu_seqlens=None):

@@ -28,7 +28,7 @@ from .api import check_tensor
 from .config import Conv1dConfig, GatedNormConfig
 from .kernels import causal_conv1d as _conv
 from .kernels import gated_rmsnorm as _norm
-from .layer_reference import conv1d_dims, conv_step_dims, norm_dims
+from .layer_reference import conv1d_dims, conv_step_dims, conv_step_torch, norm_dims
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATIONS = (None, "silu", "swish")
@@ -110,7 +110,7 @@ def conv_step(conv_state, x, weight, bias=None, activation="silu"):
 
     This is the function boundary a cuTile kernel is to fill (one block of channels a program,
     the state read and written once: w - 1 loads, w multiply-adds and w - 1 stores a channel).
-    It runs :func:`ssd.layer.conv_step_torch` today: a handful of small PyTorch ops whose launch
+    It runs :func:`ssd.layer_reference.conv_step_torch` today: a handful of small PyTorch ops whose launch
     latency, not their bytes, is their cost at decode sizes.
 
     Args:
@@ -135,8 +135,6 @@ def conv_step(conv_state, x, weight, bias=None, activation="silu"):
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     _check_cuda("x", x)
-    from .layer import conv_step_torch
-
     return conv_step_torch(conv_state, x, weight, bias, activation)
 
 

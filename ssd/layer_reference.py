@@ -13,7 +13,8 @@ are their slow truths, computed in float64 whatever the input dtype:
   history is also zero across a sequence boundary inside a row (packed sequences).
 * :func:`conv_step` -- the same convolution one token further in generation: the conv state
   holds the w - 1 previous inputs, and the step is :func:`causal_conv1d` of one position with
-  that state as its initial state.
+  that state as its initial state (:func:`conv_step_torch`: the same step in PyTorch, what the
+  layer runs today).
 * :func:`gated_rmsnorm` -- Mamba-2's gated RMSNorm with the gate before the norm (mamba_ssm's
   ``RMSNormGated(norm_before_gate=False)``), per group of ``group_size`` channels:
 
@@ -29,11 +30,12 @@ entry points of :mod:`ssd.layer_ops`, so a bad shape reads the same on the CPU a
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from .reference import check_inputs, silu
 
 __all__ = ["conv1d_dims", "conv_step_dims", "norm_dims", "causal_conv1d", "conv_step",
-           "gated_rmsnorm"]
+           "conv_step_torch", "gated_rmsnorm"]
 
 
 def _shape_of(name, shape, ndim, what):
@@ -186,3 +188,31 @@ def conv_step(conv_state, x, weight, bias=None, activation="silu"):
                         activation=activation)[:, 0]
     window = np.concatenate([state, x[..., None]], axis=-1)  # (b, c, w): oldest first
     return out, window[..., 1:]
+
+
+def conv_step_torch(conv_state, x, weight, bias=None, activation="silu"):
+    """One token through the depthwise causal conv1d, in plain PyTorch: the decode step of
+    :func:`ssd.layer.causal_conv1d_torch` (the layer's ``kernels="torch"``;
+    :func:`ssd.layer_ops.conv_step` runs it too). Computes in fp32 (fp64 for fp64) and rounds
+    once, as :func:`conv_step` does in float64.
+
+    Args:
+        conv_state: (b, c, w-1) of x's dtype, the w-1 previous inputs, oldest first; updated
+            in place: the oldest dropped, x appended.
+        x: (b, c), this token's input (in the layer, the xBC columns of in_proj's output).
+        weight: (c, w); bias: optional (c,); activation: "silu" (or "swish") or None.
+    Returns:
+        (b, c) in x's dtype.
+    """
+    conv_step_dims(**{k: None if t is None else tuple(t.shape) for k, t in dict(
+        conv_state=conv_state, x=x, weight=weight, bias=bias).items()})
+    if conv_state.dtype != x.dtype:
+        raise TypeError(f"conv_state: dtype {conv_state.dtype}, expected x's {x.dtype} (it holds "
+                        "earlier inputs exactly)")
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    window = torch.cat([conv_state.to(f), x.to(f)[..., None]], dim=-1)  # (b, c, w): t-w+1 .. t
+    out = (window * weight.to(f)).sum(-1)  # (b, c)
+    if bias is not None:
+        out = out + bias.to(f)
+    conv_state.copy_(window[..., 1:])  # exact: the values came from x's dtype
+    return (torch.nn.functional.silu(out) if activation else out).to(x.dtype)

@@ -251,8 +251,8 @@ def ssd_recurrence_backward(dy, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         dfinal_states: optional (b, h, p, n) gradient of final_states (None: 0).
     Returns:
         dict of float64 arrays: dx (b, l, h, p), ddt (b, l, h), dA (h,), dB and dC
-        (b, l, g, n), and where given dD ((h,) or (h, p)), dz (b, l, h, p), ddt_bias (h,),
-        dinitial_states (b, h, p, n).
+        (b, l, g, n), and where given dD ((h,) or (h, p)), dz (b, l, h, p),
+        ddt_bias (h,), dinitial_states (b, h, p, n).
     """
     arrays, dims = check_inputs(
         x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
@@ -283,7 +283,8 @@ def ssd_recurrence_backward(dy, x, dt, A, B, C, D=None, z=None, dt_bias=None,
     if seq is None:
         starts = np.zeros((b, l), dtype=bool)
     else:
-        starts = seq != np.concatenate([np.zeros((b, 1), np.int64), seq[:, :-1]], axis=1)
+        before = np.concatenate([np.zeros((b, 1), np.int64), seq[:, :-1]], axis=1)
+        starts = seq != before
 
     # 4. the reverse-time scan: G is dLoss/dh_t, gathered from y_t and from h_{t+1}.
     dx = np.empty((b, l, h, p))
@@ -300,12 +301,14 @@ def ssd_recurrence_backward(dy, x, dt, A, B, C, D=None, z=None, dt_bias=None,
         h_before = np.where(starts[:, t, None, None, None], 0.0, h_before)
         decay = np.exp(dtp[:, t] * A)  # (b, h)
         dlog_decay = decay * np.einsum("bhpn,bhpn->bh", G, h_before)  # d(dt'_t A)
-        ddtp[:, t] = np.einsum("bhpn,bhp,bhn->bh", G, x[:, t], Bh[:, t]) + A * dlog_decay
+        ddtp[:, t] = (np.einsum("bhpn,bhp,bhn->bh", G, x[:, t], Bh[:, t])
+                      + A * dlog_decay)
         dA += np.einsum("bh,bh->h", dtp[:, t], dlog_decay)
         G = np.where(starts[:, t, None, None, None], 0.0, decay[:, :, None, None] * G)
 
     # 5. back through the dt transform; group the per-head B and C gradients.
-    out = {"dx": dx + dx_skip, "dA": dA, "dB": _group_sum(dBh, g), "dC": _group_sum(dCh, g)}
+    out = {"dx": dx + dx_skip, "dA": dA, "dB": _group_sum(dBh, g),
+           "dC": _group_sum(dCh, g)}
     dt_grads = prepare_dt_backward(ddtp, dt, dt_bias, dt_softplus, dt_limit)
     return _ordered(out, dt_grads, dD, dz, G if initial_states is not None else None)
 
@@ -399,7 +402,7 @@ def chunk_state_backward(dstates, B, x, dt_out, dA_cumsum, seq_idx=None):
 
 def state_passing_backward(dprev_states, states, dA_cumsum, initial_states=None,
                            seq_idx=None, chunk_size=None, *, dfinal_states=None):
-    """The backward of stage 3, ``state_passing``: the same scan over chunks, run backwards.
+    """The backward of stage 3, ``state_passing``: the scan over chunks, run backwards.
 
         R = dfinal_states;  for c = C-1 .. 0:  dstates[c] = R;  R = dprev[c] + decay_c R
 
@@ -420,8 +423,8 @@ def state_passing_backward(dprev_states, states, dA_cumsum, initial_states=None,
          else _grad_array("dfinal_states", dfinal_states, "bhpn", dims).copy())
 
     # 1. the forward's entering states (the decay's gradient reads them) and decays.
-    prev_states, _ = state_passing(arrays["states"], arrays["dA_cumsum"], initial_states,
-                                   seq_idx, chunk_size)  # (b, c, h, p, n)
+    prev_states, _ = state_passing(arrays["states"], arrays["dA_cumsum"],
+                                   initial_states, seq_idx, chunk_size)  # (b, c, h, p, n)
     chunk_decay = np.exp(arrays["dA_cumsum"][..., -1])  # (b, h, c)
     if "seq_idx" in arrays:
         carry = _chunk_carry(arrays["seq_idx"], dims["l"], dims["q"])  # (b, c)
@@ -515,7 +518,7 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=N
 def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                          initial_states=None, seq_idx=None, dt_softplus=False,
                          dt_limit=(0.0, INF), *, dfinal_states=None):
-    """Rung 2: the gradients of ``ssd_chunked``, its four stages differentiated in reverse.
+    """Rung 2: the gradients of ``ssd_chunked``, its stages differentiated in reverse.
 
     The forward intermediates (dt_out, dA_cumsum, states, prev_states) are recomputed
     here; a kernel may save some of them instead (see the module docstring).
@@ -526,8 +529,8 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
             dt_limit: the forward's arguments (see ``ssd_chunked``).
         dfinal_states: optional (b, h, p, n) gradient of final_states (None: 0).
     Returns:
-        the dict of ``ssd_recurrence_backward``: dx, ddt, dA, dB, dC and, where given, dD,
-        dz, ddt_bias, dinitial_states.
+        the dict of ``ssd_recurrence_backward``: dx, ddt, dA, dB, dC and, where given,
+        dD, dz, ddt_bias, dinitial_states.
     """
     _check_chunk_size(chunk_size)
     check_inputs(
@@ -542,8 +545,9 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     #    the entering states
     scan = chunk_scan_backward(dy, B, C, x, dt_out, dA_cs, prev_states, D, z, seq_idx)
     # 3. state_passing: back over the chunks, from the final state's gradient
-    passing = state_passing_backward(scan["dprev_states"], states, dA_cs, initial_states,
-                                     seq_idx, chunk_size, dfinal_states=dfinal_states)
+    passing = state_passing_backward(scan["dprev_states"], states, dA_cs,
+                                     initial_states, seq_idx, chunk_size,
+                                     dfinal_states=dfinal_states)
     # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum
     state = chunk_state_backward(passing["dstates"], B, x, dt_out, dA_cs, seq_idx)
     # 1. chunk_cumsum: every stage's dt' and dA_cumsum gradients, back to dt, A, dt_bias

@@ -94,6 +94,23 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 TOL = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1.5e-2}
 #: Tolerance of the stage-1 outputs (dt_out, dA_cumsum): fp32 arithmetic whatever the input.
 TOL_CUMSUM = 1e-5
+#: Relative-error tolerance of every gradient of the backward (``ssd.autograd``), per input
+#: dtype (:func:`check_gradient`). fp16 and bf16: each gradient is returned in its input's
+#: dtype, and that rounding (u / sqrt(3) in norm: 2.8e-4 and 2.3e-3) dominates: an fp32 backward
+#: from intermediates rounded as the forward stores them, emulated on the CPU, gives up to
+#: 2.5e-4 and 1.9e-3; the forward's tolerances leave 8x. fp32: the fp32 sums over every
+#: position of dA, ddt_bias and dD cancel, up to 8e-6 in that emulation at chunk 256, and the
+#: backward reads stage 1's fp32 dA_cumsum, whose rounding (up to |dA_cumsum| times 2^-24) moves
+#: every decay: perturbing it by 1e-6 relative, 17 units, gives up to 6e-5; 1e-4 covers both.
+#: A dropped term, a wrong mask or a missing decay moves a gradient by 1e-2 or more.
+GRAD_TOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.5e-2}
+#: Every element of a gradient may differ from the reference by this many GRAD_TOL times
+#: max(|ref|, the reference's RMS): its rounding is a few u times its own size (the entering
+#: states are stored in the input dtype, the result rounded to it; heavy-tailed gradients such as
+#: ddt have elements far above the RMS, each with an error of its own size), at most 1.6 GRAD_TOL
+#: in the CPU emulation, while a wrong or unwritten tile is off by about its own size, which the
+#: norm misses once the tile is small.
+GRAD_ELEMENT_FACTOR = 10.0
 #: Inputs cast to the dtype under test; the others (A, D, dt_bias, initial_states) stay fp32.
 LOW_PRECISION = ("x", "z", "B", "C", "dt")
 #: Stage outputs in stage order (``states`` only exists with the split stage 2).
@@ -448,6 +465,50 @@ def check_varlen_states(spec: ProblemSpec, out, want: np.ndarray, ref: dict, dty
                              spec.chunk_size)
     return StageCheck("varlen_states", rel_err(out, want), TOL[dtype],
                       replace(elem, key="varlen_states"))
+
+
+@dataclass(frozen=True)
+class GradientCheck:
+    """One gradient against the reference: the norm (:func:`rel_err` <= ``tol``) and the worst
+    element (``elem_ratio``: the largest error over GRAD_ELEMENT_FACTOR x tol x max(|ref|, the
+    reference's RMS), at most 1; inf where an element is not finite)."""
+
+    key: str
+    rel_err: float
+    tol: float
+    elem_ratio: float
+    elem_index: tuple
+
+    @property
+    def ok(self) -> bool:
+        return self.rel_err <= self.tol and self.elem_ratio <= 1.0
+
+    def failure(self) -> str:
+        return (f"{self.key}: relative error {self.rel_err:.3e} (tolerance {self.tol:.0e}), worst "
+                f"element {self.elem_index} at {self.elem_ratio:.3g}x its bound")
+
+    def fields(self) -> dict:
+        return dict(stage=self.key, rel_err=self.rel_err, tol=self.tol,
+                    elem_ratio=self.elem_ratio, elem_index=list(self.elem_index))
+
+
+def check_gradient(key: str, out, ref: np.ndarray, dtype: str) -> GradientCheck:
+    """Both criteria on one gradient (a torch tensor or an array) against its float64
+    reference, for inputs of ``dtype`` (:data:`GRAD_TOL`, :data:`GRAD_ELEMENT_FACTOR`)."""
+    o = as_float64(out)
+    if o.shape != ref.shape:
+        raise ValueError(f"{key}: shape {o.shape}, the reference's is {ref.shape}")
+    tol = GRAD_TOL[dtype]
+    err = np.abs(o - ref)
+    if not np.isfinite(err).all():
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(err))[0])
+        return GradientCheck(key, math.inf, tol, math.inf, index)
+    if not err.size:
+        return GradientCheck(key, rel_err(o, ref), tol, 0.0, ())
+    rms = float(np.sqrt(np.mean(ref ** 2)))
+    ratio = err / (GRAD_ELEMENT_FACTOR * tol * np.maximum(np.abs(ref), rms if rms > 0 else 1.0))
+    index = tuple(int(i) for i in np.unravel_index(np.argmax(ratio), ratio.shape))
+    return GradientCheck(key, rel_err(o, ref), tol, float(ratio[index]), index)
 
 
 # ------------------------------------------------------------------------------------------

@@ -50,8 +50,6 @@ BAD = [
     ("chunk_size", dict(chunk_size=True), ValueError),
     ("dt_limit", dict(dt_limit=(0.1, 0.01)), ValueError),
     ("dt_limit", dict(dt_limit=5), TypeError),
-    ("x", dict(x=torch.randn(B_, L, H, P, dtype=torch.bfloat16, requires_grad=True)),
-     NotImplementedError),
 ]
 
 
@@ -62,8 +60,11 @@ def test_bad_input_names_the_argument(name, over, exc):
         validate(**args)
 
 
-def test_no_grad_allows_inputs_that_require_grad():
+def test_inputs_that_require_grad_are_accepted():
+    """Differentiable (ssd.autograd): with or without grad mode, such inputs pass every check."""
     x = torch.randn(B_, L, H, P, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="^x: must be a CUDA tensor"):
+        validate(**good(x=x))
     with torch.no_grad(), pytest.raises(ValueError, match="^x: must be a CUDA tensor"):
         validate(**good(x=x))
 
