@@ -2,6 +2,7 @@
 language model (every weight gets a gradient), a real learning check, reproducible curves, the
 record, and the training-step timer on a tiny stack with the torch backend (times are
 perf_counter wall times here: only their bookkeeping is checked, never their values)."""
+import contextlib
 import json
 import math
 from dataclasses import replace
@@ -126,6 +127,27 @@ def test_lm_every_weight_gets_a_gradient(tie):
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().max() > 0, name
+
+
+def test_lm_trains_through_the_autograd_function():
+    """The cutile backend's path without its kernels: ``ssd.autograd.ChunkScanCombined`` (the
+    backward of ``ssd.backward``) over the PyTorch stages gives the LM the gradients that
+    autograd through the torch backend gives."""
+    from functools import partial
+
+    from ssd.autograd import chunk_scan_combined, torch_stages
+    from ssd.layer import ssd_replaced
+
+    tokens = torch.randint(0, 50, (2, 40), generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([[5, 39], [17, 30]])
+    grads = []
+    for fn in (None, partial(chunk_scan_combined, stages=torch_stages)):
+        model = Mamba2LM(50, LM_CONFIG, 2, "torch", seed=3)
+        with ssd_replaced(model, fn) if fn else contextlib.nullcontext():
+            model(tokens, positions).logsumexp(-1).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_lm_seeded_and_frozen_stack_unchanged():
@@ -292,16 +314,37 @@ def test_ssd_alone_repeats_the_layers_call():
 
 def test_cli_runs_both_parts(tmp_path, capsys):
     out = tmp_path / "t.json"
-    assert T.main(["mqar", "--preset", "tiny", "--backend", "torch", "--steps", "3",
-                   "--set", "eval_every=3", "--device", "cpu", "--out", str(out),
-                   "--no-progress"]) == 0
-    assert [r["steps"] for r in json.loads(out.read_text())["runs"]] == [3]
+    for seed in ("0", "1"):  # two commands, one recording
+        assert T.main(["mqar", "--preset", "tiny", "--backend", "torch", "--steps", "3",
+                       "--set", "eval_every=3", "--seed", seed, "--device", "cpu", "--out",
+                       str(out), "--no-progress"]) == 0
+    back = json.loads(out.read_text())
+    assert [(r["seed"], r["steps"]) for r in back["runs"]] == [(0, 3), (1, 3)]
+    assert len(back["summary"]) == 2 and len(back["comparison"]["between_seeds"]) == 1
     out = tmp_path / "s.json"
     assert T.main(["step", "--suite", "smoke", "--backend", "torch", "--precision", "fp32",
                    "--reps", "1", "--layers", "1", "--device", "cpu", "--out", str(out),
                    "--no-progress"]) == 0
     assert json.loads(out.read_text())["rows"][0]["n_layers"] == 1
     assert "ssd share" in capsys.readouterr().out
+
+
+def test_merge_keeps_other_rows_of_the_same_revision_and_settings():
+    env = dict(git_revision="abc")
+    row = lambda shape, backend, ms: dict(shape=shape, backend=backend, step_ms=ms,  # noqa: E731
+                                          ssd_ms_total=ms / 2)
+    old = dict(rows=[row("a", "mamba_ssm", 10.0), row("b", "mamba_ssm", 4.0)], failures=[],
+               settings=dict(n_layers=2), environment=env, amdahl=[])
+    new = dict(rows=[row("a", "cutile", 8.0), row("b", "mamba_ssm", 5.0)], failures=[],
+               settings=dict(n_layers=2), environment=env, amdahl=[])
+    merged = T.merge(old, new)
+    assert [(r["shape"], r["backend"], r["step_ms"]) for r in merged["rows"]] == [
+        ("a", "mamba_ssm", 10.0), ("a", "cutile", 8.0), ("b", "mamba_ssm", 5.0)]
+    (a,) = merged["amdahl"]
+    assert a["shape"] == "a" and a["measured"] == pytest.approx(10 / 8)
+    assert T.merge(old, dict(new, settings=dict(n_layers=4))) == dict(new, settings=dict(
+        n_layers=4))  # other settings: the new record alone
+    assert T.merge(old, dict(new, environment=dict(git_revision="def")))["rows"] == new["rows"]
 
 
 def test_mqar_data_split_is_disjoint_streams():

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import statistics
 import sys
@@ -485,14 +486,14 @@ def train(config: TrainConfig, backend: str, *, seed: int = 0, device=None, data
     model = Mamba2LM(config.vocab_size, config.mixer, config.n_layers, backend,
                      tie=config.tie, device=device, seed=seed)
     opt, schedule = optimizer(model, config)
-    # The batches: a seeded permutation of the training set per epoch, drawn on the CPU.
+    # The batches: a seeded permutation of the training set per epoch (the remainder of an
+    # epoch dropped), drawn on the CPU and moved once: (steps, batch) example indices.
     order_gen = torch.Generator().manual_seed(seed)
-    per_epoch = len(train_set) // config.batch
-    batches = []
-    while len(batches) < config.steps:
-        perm = torch.randperm(len(train_set), generator=order_gen)
-        batches += list(perm[:per_epoch * config.batch].view(per_epoch, config.batch))
-    batches = [b.to(device) for b in batches[:config.steps]]
+    usable = len(train_set) // config.batch * config.batch
+    epochs = -(-config.steps * config.batch // usable)
+    batches = torch.cat([torch.randperm(len(train_set), generator=order_gen)[:usable]
+                         for _ in range(epochs)])
+    batches = batches[:config.steps * config.batch].view(config.steps, config.batch).to(device)
 
     points = set(config.eval_points())
     losses = torch.empty(config.steps, device=device)  # read once at the end: no sync a step
@@ -584,10 +585,11 @@ def _failure(exc) -> str:
 
 def run(config: TrainConfig, backends=BACKENDS, seeds=(0,), *, device=None, out=None,
         progress: bool = True, name: str | None = None) -> dict:
-    """Train once per backend and seed on one data set; return (and write to ``out``) the
-    record: the config, its task and precision, every run's record (:func:`train`), failures,
-    skipped backends, the summary rows (:func:`summary`), the curve comparison
-    (:func:`curve_gaps`) and the environment (``ssd.tools.env``)."""
+    """Train once per backend and seed on one data set; return (and write to ``out``, merged
+    into a recording of the same revision and config: :func:`merge`) the record: the config,
+    its task and precision, every run's record (:func:`train`), failures, skipped backends, the
+    summary rows (:func:`summary`), the curve comparison (:func:`curve_gaps`) and the
+    environment (``ssd.tools.env``)."""
     device = _device(device)
     usable, skipped = _skips(backends)
     data = make_data(config, device) if usable else None
@@ -604,9 +606,46 @@ def run(config: TrainConfig, backends=BACKENDS, seeds=(0,), *, device=None, out=
                    precision=_precision_note(config.precision, device), device=device.type,
                    runs=runs, failures=failures, skipped=skipped, summary=summary(runs),
                    comparison=curve_gaps(runs), environment=environment())
-    if out is not None:
-        write_json(out, payload)
+    return _written(payload, out)
+
+
+def _written(payload: dict, out) -> dict:
+    """Write ``payload`` to ``out`` (if given), merged (:func:`merge`) into a recording there of
+    the same revision and configuration; return what was written."""
+    if out is None:
+        return payload
+    out = Path(out)
+    old = json.loads(out.read_text()) if out.is_file() else {}
+    payload = merge(old, payload)
+    write_json(out, payload)
     return payload
+
+
+def merge(old: dict, new: dict) -> dict:
+    """A new training record or step sweep merged into an old one, so that one recording can be
+    made by several commands (each within a time limit): where both name the same git revision
+    and the same settings (the training config, or the step sweep's settings), the new rows
+    replace the old rows of the same key ((backend, seed) or (shape, backend)), the old others
+    are kept, and the derived parts (summary and curve comparison, or Amdahl's rows) are
+    recomputed; otherwise the new record alone."""
+    training = "runs" in new
+    same = "config" if training else "settings"
+    as_json = lambda v: json.loads(json.dumps(v))  # noqa: E731  (tuples read back as lists)
+    if (old.get("environment", {}).get("git_revision") != new["environment"].get("git_revision")
+            or as_json(old.get(same)) != as_json(new[same]) or ("runs" in old) != training):
+        return new
+    key = (lambda r: (r["backend"], r["seed"])) if training else \
+        (lambda r: (r["shape"], r["backend"]))
+    rows = "runs" if training else "rows"
+    fresh = {key(r) for r in new[rows] + new["failures"]}
+    merged = dict(new)
+    merged[rows] = [r for r in old[rows] if key(r) not in fresh] + new[rows]
+    merged["failures"] = [f for f in old["failures"] if key(f) not in fresh] + new["failures"]
+    if training:
+        merged.update(summary=summary(merged["runs"]), comparison=curve_gaps(merged["runs"]))
+    else:
+        merged["amdahl"] = _amdahl(merged["rows"])
+    return merged
 
 
 def _precision_note(precision: str, device) -> str:
@@ -776,7 +815,8 @@ def step_sweep(shapes=SUITES["models"], backends=BACKENDS, *, n_layers: int = ST
                progress: bool = True) -> dict:
     """:func:`step_time` for every shape and backend (one stack at a time, built from the same
     seed: the same weights for every backend); ``chunk_sizes`` {backend: q} calls a backend's
-    SSD at another chunk size. Returns (and writes to ``out``) rows, failures, skipped,
+    SSD at another chunk size. Returns (and writes to ``out``, merged into a recording of the
+    same revision and settings: :func:`merge`) rows, failures, skipped,
     ``amdahl`` (``ssd.tools.endtoend.amdahl_rows``: the SSD's share of mamba_ssm's step and
     the SSD's forward + backward speedup give the predicted step speedup of cutile, beside the
     measured one), settings and the environment."""
@@ -799,13 +839,16 @@ def step_sweep(shapes=SUITES["models"], backends=BACKENDS, *, n_layers: int = ST
                     statistic="median", mode="eager", l2="warm" if cuda else "n/a",
                     timer="CUDA events (ssd.tools.bench.time_fn)" if cuda
                     else "perf_counter (CPU)")
-    payload = dict(rows=rows, failures=failures, skipped=skipped,
-                   amdahl=amdahl_rows(rows, key=("shape",), total="step_ms",
-                                      part="ssd_ms_total", base=BASE, new=NEW),
+    payload = dict(rows=rows, failures=failures, skipped=skipped, amdahl=_amdahl(rows),
                    settings=settings, environment=environment())
-    if out is not None:
-        write_json(out, payload)
-    return payload
+    return _written(payload, out)
+
+
+def _amdahl(rows) -> list[dict]:
+    """Per shape: the SSD's share of mamba_ssm's step and the SSD's forward + backward speedup
+    of cutile, Amdahl's predicted step speedup, and the measured one."""
+    return amdahl_rows(rows, key=("shape",), total="step_ms", part="ssd_ms_total", base=BASE,
+                       new=NEW)
 
 
 # ----------------------------------------------------------------------------- CLI
