@@ -1,7 +1,7 @@
 """A Mamba-2 mixer (and a stack of them) in PyTorch, with the SSD step behind a backend switch.
 
-The layer of Dao & Gu 2024 ("Transformers are SSMs", section 7, the Mamba-2 block), inference
-only (no gradients), with random weights initialised as Mamba-2 initialises them (no downloads)::
+The layer of Dao & Gu 2024 ("Transformers are SSMs", section 7, the Mamba-2 block), with random
+weights initialised as Mamba-2 initialises them (no downloads)::
 
     u (b, l, d_model)
       -> in_proj                      -> z (d_inner) | xBC (d_inner + 2 g n) | dt (h)
@@ -50,6 +50,14 @@ is :func:`conv_step_torch`, or ``ssd.layer_ops.conv_step`` with ``kernels="cutil
 Dimension legend as everywhere in ``ssd`` (see ``ssd.reference``): b batch, l seqlen, h
 nheads, p headdim, n dstate (the paper's N), g ngroups (B and C shared by h/g heads), q
 chunk_size. Mamba-2's own names: d_inner = expand * d_model = h * p; conv_dim = d_inner + 2 g n.
+
+Training: the weights are made frozen (``requires_grad=False``), so an inference forward builds
+no autograd graph; ``module.requires_grad_()`` makes them trainable, and ``forward`` is then
+differentiable wherever the SSD backend is (``torch``; ``mamba_ssm``, whose Triton SSD is an
+autograd Function; ``cutile`` where ``ssd.mamba_chunk_scan_combined`` is) and the conv and norm
+are the PyTorch ones. ``reference`` (a NumPy copy) and ``kernels="cutile"`` have no backward and
+raise NotImplementedError when a gradient is required. ``prefill`` and ``step`` never record one
+(generation). ``ssd.tools.train`` trains a language model on this stack.
 
 Numerics follow mamba_ssm's ``Mamba2`` module: A_log, dt_bias and D stay in fp32 whatever the
 model dtype (fp64 for an fp64 model), the gated RMSNorm and the stack's residual stream are
@@ -320,8 +328,15 @@ def ssd_reference_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None
                         return_varlen_states=False):
     """``ssd.reference.ssd_chunked`` (NumPy, float64) behind torch tensors: the inputs are
     copied to the CPU as float64; y comes back in x's dtype on x's device, the states in
-    float64."""
+    float64. No backward: raises NotImplementedError where a gradient is required."""
     from .reference import ssd_chunked
+
+    grads = [name for name, t in dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                                      initial_states=initial_states).items()
+             if t is not None and t.requires_grad]
+    if grads and torch.is_grad_enabled():
+        raise NotImplementedError(f"{grads[0]}: requires grad, but the reference backend is a "
+                                  "NumPy copy with no backward; train with backend='torch'")
 
     def host(t, dtype=torch.float64):
         return None if t is None else t.detach().to("cpu", dtype).numpy()
@@ -576,10 +591,14 @@ class SSDStep(nn.Module):
     def forward(self, x, dt, A, B, C, D, dt_bias, **packed_and_states):
         """``packed_and_states``: any of seq_idx, cu_seqlens, return_final_states,
         return_varlen_states, passed on only when given (a stand-in of
-        :func:`ssd_replaced` for the plain forward need not take them)."""
+        :func:`ssd_replaced` for the plain forward need not take them). Under
+        ``torch.autocast`` the SSD gets the dtypes autocast gave its inputs but computes with
+        autocast off: each backend keeps its own precision (autocast would run the torch
+        backend's fp32 einsums in bf16)."""
         self._check_device(x)
-        return self.fn(x, dt, A, B, C, self.chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True,
-                       dt_limit=self.dt_limit, **packed_and_states)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return self.fn(x, dt, A, B, C, self.chunk_size, D=D, dt_bias=dt_bias,
+                           dt_softplus=True, dt_limit=self.dt_limit, **packed_and_states)
 
     def step(self, state, x, dt, A, B, C, D, dt_bias):
         """One decode step: state (b, h, p, n) advanced in place; x (b, h, p), dt (b, h) raw,
@@ -831,7 +850,8 @@ class InferenceCache:
 
 
 class Mamba2Mixer(nn.Module):
-    """One Mamba-2 mixer with random weights, inference only.
+    """One Mamba-2 mixer with random weights, frozen until ``requires_grad_()`` (see the module
+    docstring: which backends train).
 
     Args:
         config: the sizes (:class:`Mamba2Config`); the weights take ``config.dtype``.
@@ -914,7 +934,6 @@ class Mamba2Mixer(nn.Module):
         self.kernels, self._ops = kernels, ops
         return self
 
-    @torch.no_grad()
     def forward(self, u):
         _check_input(u, self.config, self.in_proj.weight.device)
         return self._mix(u)[0]
@@ -1014,7 +1033,8 @@ class Mamba2Mixer(nn.Module):
 
 class Mamba2Stack(nn.Module):
     """``n_layers`` mixers with pre-norm RMSNorm and residuals, and a final norm: the Mamba-2
-    backbone for prefill (no embedding, no LM head, no MLP, as the published Mamba-2 models).
+    backbone (no embedding, no LM head, no MLP, as the published Mamba-2 models); frozen until
+    ``requires_grad_()``, as :class:`Mamba2Mixer`.
 
     Per layer ``residual = residual + mixer(norm(residual))``, with the residual stream in fp32
     (mamba_ssm's ``residual_in_fp32``) and the mixer's input cast to config.dtype; the result
@@ -1059,7 +1079,6 @@ class Mamba2Stack(nn.Module):
             m.set_kernels(kernels)
         return self
 
-    @torch.no_grad()
     def forward(self, u):
         _check_input(u, self.config, self.norm_f.weight.device)
         dtype = self.config.torch_dtype
@@ -1114,9 +1133,82 @@ class Mamba2Stack(nn.Module):
         return self.norm_f(residual, out_dtype=dtype)
 
 
+class Mamba2LM(nn.Module):
+    """A Mamba-2 language model: token embedding -> :class:`Mamba2Stack` (its final norm
+    included) -> LM head, every weight trainable (``ssd.tools.train`` trains it).
+
+    Args:
+        vocab_size: V.
+        config: the mixers' :class:`Mamba2Config`; its dtype is the weights' (float32 to train
+            in mixed precision under ``torch.autocast``).
+        n_layers: the stack's depth.
+        backend: the SSD backend of every layer (:data:`BACKENDS`; one with a backward).
+        tie: the LM head is the embedding matrix (True) or a linear map of its own.
+        device: where the weights live (default: the CPU).
+        seed: the stack's weights are ``Mamba2Stack(config, n_layers, seed=seed)``'s; the
+            embedding (and an untied head) come from a generator of their own.
+
+    Initialisation: embedding ~ N(0, 0.02^2) (mamba_ssm's language model); an untied head
+    ~ U(+-1/sqrt(d_model)) (nn.Linear's).
+
+    ``forward(tokens, positions=None)``: tokens (b, l) int -> logits (b, l, V) (the model's
+    dtype, or autocast's); with positions (b, k) int, the logits at those positions only,
+    (b, k, V).
+    """
+
+    def __init__(self, vocab_size: int, config: Mamba2Config, n_layers: int,
+                 backend: str = "torch", *, tie: bool = True, device=None, seed: int = 0):
+        super().__init__()
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+            raise ValueError(f"vocab_size: expected an int >= 2, got {vocab_size!r}")
+        self.config, self.vocab_size = config, vocab_size
+        device = torch.device(device or "cpu")
+        d, dtype = config.d_model, config.torch_dtype
+        self.stack = Mamba2Stack(config, n_layers, backend, device=device, seed=seed)
+        # Another seed than the stack's: the same seed would replay the same random stream.
+        gen = torch.Generator(device=device).manual_seed(seed + 0x5EED)
+        self.embedding = nn.Embedding.from_pretrained(torch.empty(
+            vocab_size, d, device=device).normal_(0.0, 0.02, generator=gen).to(dtype),
+            freeze=False)
+        self.head = None
+        if not tie:
+            self.head = nn.Linear(d, vocab_size, bias=False, device="meta")
+            self.head.weight = _uniform(gen, (vocab_size, d), -d ** -0.5, d ** -0.5, device,
+                                        dtype)
+        self.requires_grad_(True)  # the stack's weights are made frozen
+
+    @property
+    def backend(self) -> str:
+        return self.stack.backend
+
+    def set_backend(self, backend: str, chunk_size: int | None = None) -> "Mamba2LM":
+        self.stack.set_backend(backend, chunk_size)
+        return self
+
+    def forward(self, tokens, positions=None):
+        weight = self.embedding.weight
+        if (not isinstance(tokens, torch.Tensor) or tokens.dim() != 2
+                or tokens.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"tokens: expected a (batch, seqlen) int32 / int64 tensor, got "
+                             f"{getattr(tokens, 'shape', type(tokens).__name__)} "
+                             f"{getattr(tokens, 'dtype', '')}")
+        if tokens.device != weight.device:
+            raise ValueError(f"tokens: on {tokens.device}, but the model is on {weight.device}")
+        hidden = self.stack(self.embedding(tokens))  # (b, l, d_model)
+        if positions is not None:
+            if (not isinstance(positions, torch.Tensor) or positions.dim() != 2
+                    or positions.shape[0] != tokens.shape[0]):
+                raise ValueError(f"positions: expected a (batch={tokens.shape[0]}, k) int "
+                                 f"tensor, got {getattr(positions, 'shape', positions)}")
+            # A gather, not a boolean mask: no device synchronisation, a static shape.
+            hidden = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        head = weight if self.head is None else self.head.weight
+        return F.linear(hidden, head)  # (b, l or k, V)
+
+
 __all__ = ["Mamba2Config", "PRESETS", "PRESET_LAYERS", "preset", "config_for_shape", "ssd_torch",
            "ssd_reference_torch", "BACKENDS", "KERNELS", "BackendUnavailable", "backend_function",
            "available_backends", "kernel_ops", "SSDStep", "ssd_replaced", "capture_ssd_calls",
            "causal_conv1d_torch", "GatedRMSNorm", "RMSNorm", "Mamba2Mixer", "Mamba2Stack",
-           "InferenceCache", "step_function", "selective_state_update_torch",
+           "Mamba2LM", "InferenceCache", "step_function", "selective_state_update_torch",
            "selective_state_update_reference_torch", "conv_step_torch", "conv_state_of"]
