@@ -188,9 +188,10 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     return records
 
 
-def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
-    """Export every distinct (kernel, signature) of the forward, of the decode step and of the
-    layer's conv and norm (:func:`capture_layer`) for each arch."""
+def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
+    """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
+    each packed sequence's final state, the decode step and the layer's conv and norm
+    (:func:`capture_layer`), for each arch."""
     from ..config import FusedScanConfig, SSDConfig
 
     done, seen = [], set()
@@ -204,18 +205,19 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print) -> list[Compiled]:
                     full = capture_forward(dtype, features, fused, FULL_CHUNK, dims=FULL_DIMS)
                     records += [r for r in full
                                 if r.kernel._pyfunc.__name__ == "state_passing_kernel"]
-            if features == "all":  # each packed sequence's final state: its kernel alone
-                # (the others of that call are batch-of-one forms of the kernels above)
+            if features == "all" and not forward_only:  # each packed sequence's final state:
+                # its kernel alone (the others of that call are batch-of-one forms of the above)
                 records += [r for r in capture_forward(dtype, "varlen", True)
                             if r.kernel._pyfunc.__name__ == "chunk_state_varlen_kernel"]
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,
                                        True, 64, config=one_kernel)
-            # the decode step: an fp32 state, and one in the inputs' dtype with every feature
-            records += capture_decode(dtype, features, "float32")
-            if features == "all":
-                records += capture_decode(dtype, "layer", dtype)
-            records += capture_layer(dtype, features)
+            if not forward_only:
+                # the decode step: an fp32 state, and one in the inputs' dtype with every feature
+                records += capture_decode(dtype, features, "float32")
+                if features == "all":
+                    records += capture_decode(dtype, "layer", dtype)
+                records += capture_layer(dtype, features)
             for record in records:
                 sig = launch.signature(record)
                 key = (record.kernel, repr(sig))
