@@ -52,8 +52,9 @@ writes ``results/<gpu>/training.json``.
 Precision (``TrainConfig.precision``): ``"bf16"`` keeps the weights, the gradients and AdamW's
 state in fp32 and runs the forward under ``torch.autocast(dtype=torch.bfloat16)``, the mixed
 precision mamba_ssm's users train with: the projections and the conv compute in bf16, so the
-SSD gets x, dt, B and C in bf16 (A, D and dt_bias stay fp32), and the norms and the residual
-stream compute in fp32. ``"fp32"`` runs without autocast (the CPU tests).
+SSD gets x, dt, B and C in bf16 (A, D and dt_bias stay fp32) and computes as its backend does
+(``ssd.layer.SSDStep`` turns autocast off inside), and the norms and the residual stream
+compute in fp32. ``"fp32"`` runs without autocast (the CPU tests).
 
 The training-step timer
 -----------------------
@@ -868,7 +869,11 @@ def _amdahl(rows) -> list[dict]:
 
 
 def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+    """``format(v, spec)``, or a dash as wide for a missing value."""
+    if v is not None:
+        return format(v, spec)
+    width = spec.split(".")[0].rstrip("dfge%")
+    return "-".rjust(int(width) if width.isdigit() else 1)
 
 
 def report(payload, file=None):
