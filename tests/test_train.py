@@ -66,6 +66,17 @@ def test_mqar_labels(task):
             assert y[i] == a == context[x[i]]
 
 
+@pytest.mark.parametrize("choices, k", [(10, 3), (5, 4)], ids=["by-rejection", "by-top-k"])
+def test_distinct_draws_are_uniform(choices, k):
+    """Every column of the draws is uniform over the range, and a row never repeats a value."""
+    draws = T._draw_distinct(np.random.default_rng(0), 20_000, choices, k)
+    assert draws.shape == (20_000, k) and draws.min() >= 0 and draws.max() < choices
+    assert (np.sort(draws, axis=1)[:, 1:] != np.sort(draws, axis=1)[:, :-1]).all()
+    for column in draws.T:
+        freq = np.bincount(column, minlength=choices) / len(column)
+        assert np.abs(freq - 1 / choices).max() < 0.01
+
+
 def test_mqar_power_law_clusters_queries():
     """power_a = 0.01 puts the queries nearer the context than uniform slots (power_a = 1)."""
     near = T.mqar(T.MQARConfig(vocab_size=64, num_pairs=4, seq_len=200), 400, seed=0)

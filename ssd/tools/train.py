@@ -52,8 +52,9 @@ writes ``results/<gpu>/training.json``.
 Precision (``TrainConfig.precision``): ``"bf16"`` keeps the weights, the gradients and AdamW's
 state in fp32 and runs the forward under ``torch.autocast(dtype=torch.bfloat16)``, the mixed
 precision mamba_ssm's users train with: the projections and the conv compute in bf16, so the
-SSD gets x, dt, B and C in bf16 (A, D and dt_bias stay fp32), and the norms and the residual
-stream compute in fp32. ``"fp32"`` runs without autocast (the CPU tests).
+SSD gets x, dt, B and C in bf16 (A, D and dt_bias stay fp32) and computes as its backend does
+(``ssd.layer.SSDStep`` turns autocast off inside), and the norms and the residual stream
+compute in fp32. ``"fp32"`` runs without autocast (the CPU tests).
 
 The training-step timer
 -----------------------
@@ -178,12 +179,21 @@ def _top_k(scores, k: int):
 def _draw_distinct(rng, n: int, choices: int, k: int, log_weights=None, block=2**22):
     """k distinct integers from 0 .. choices - 1 for each of n rows, (n, k), in the order drawn.
 
-    Uniformly: the k largest of ``choices`` iid uniforms (a uniform k-subset, in a uniform
-    order). With ``log_weights`` (choices,): the Gumbel-top-k trick, the k largest of
-    ``log_weights + Gumbel noise``, which is sequential sampling without replacement with
-    probability proportional to the weights. Rows are drawn in blocks of at most ``block``
-    scores, so a large vocabulary does not need an (n, choices) array at once.
+    Uniformly, from a large range (k (k - 1) <= 2 choices): k iid integers a row, the rows that
+    hold a repeat drawn again (a uniform ordered k-tuple of distinct values; a row is kept with
+    probability about exp(-k^2 / (2 choices)) >= 1/e). Otherwise the k largest of ``choices``
+    iid uniforms a row, or with ``log_weights`` (choices,) the Gumbel-top-k trick, the k largest
+    of ``log_weights + Gumbel noise``: sequential sampling without replacement with probability
+    proportional to the weights. Those rows are drawn in blocks of at most ``block`` scores.
     """
+    if log_weights is None and k * (k - 1) <= 2 * choices:
+        out = rng.integers(0, choices, size=(n, k))
+        while True:
+            ordered = np.sort(out, axis=1)
+            repeat = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
+            if not repeat.any():
+                return out
+            out[repeat] = rng.integers(0, choices, size=(int(repeat.sum()), k))
     out = np.empty((n, k), dtype=np.int64)
     rows = max(1, block // choices)
     for start in range(0, n, rows):
@@ -258,7 +268,7 @@ class TrainConfig:
     d_model: int = 128
     n_layers: int = 2
     d_state: int = 64
-    headdim: int = 32
+    headdim: int = 64
     expand: int = 2
     d_conv: int = 4
     ngroups: int = 1
@@ -266,7 +276,7 @@ class TrainConfig:
     tie: bool = True
     steps: int = 2_000
     batch: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-2
     weight_decay: float = 0.1
     betas: tuple = (0.9, 0.95)
     warmup: int = 100
@@ -316,8 +326,11 @@ class TrainConfig:
 
 
 #: Named configurations. ``small``: the run a reader repeats on one GPU in minutes (Zoology's
-#: vocabulary and sequence length, 16 pairs; a 2-layer model of width 128). ``tiny``: the same
-#: pipeline in seconds on a CPU (tests, a smoke run).
+#: vocabulary, sequence length and 16 pairs; a 2-layer model of width 128, 4 heads). Its lr is
+#: in the range Zoology sweeps (1e-3 to 3e-2) at the high end: MQAR models sit on a plateau
+#: where they copy some value of the context before recall appears, and on the CPU a smaller lr
+#: (3e-3) kept them there thousands of steps longer. ``tiny``: the same pipeline in seconds on
+#: a CPU (tests, a smoke run).
 TRAIN_PRESETS = {
     "small": TrainConfig(),
     "tiny": TrainConfig(vocab_size=32, num_pairs=4, seq_len=32, train_examples=2048,
@@ -520,9 +533,9 @@ def train(config: TrainConfig, backend: str, *, seed: int = 0, device=None, data
     step_ms = clock.ms()
     wall_s = time.perf_counter() - start
     train_loss = losses.tolist()
-    if not all(math.isfinite(v) for v in train_loss):
-        raise FloatingPointError(f"{backend}: the training loss is not finite (first at step "
-                                 f"{next(i for i, v in enumerate(train_loss) if not math.isfinite(v))})")
+    bad = [i for i, v in enumerate(train_loss) if not math.isfinite(v)]
+    if bad:
+        raise FloatingPointError(f"{backend}: the training loss is not finite from step {bad[0]}")
     reached = next(((s, acc) for s, _, acc in evals if acc >= config.target_accuracy), None)
     record = dict(
         backend=backend, seed=seed, steps=config.steps, train_loss=_rounded(train_loss),
@@ -749,7 +762,8 @@ def step_time(shape: Shape, backend: str, *, n_layers: int = STEP_LAYERS,
         median of ``reps`` steps after ``warmup``), first_step_s (the first step, compiles and
         autotuning included); ssd_fwd_ms and ssd_fb_ms (layer 0's SSD forward, and forward +
         backward, alone on the tensors of a step), ssd_ms_total = n_layers * ssd_fb_ms and
-        ssd_share = ssd_ms_total / step_ms; quantiles of each; peak_mem_mib (GPU); timer.
+        ssd_share = ssd_ms_total / step_ms; quantiles of each; peak_mem_mib (GPU: the peak
+        allocated during one step, the weights, gradients and AdamW state included); timer.
     """
     import torch
 
@@ -855,7 +869,11 @@ def _amdahl(rows) -> list[dict]:
 
 
 def _fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+    """``format(v, spec)``, or a dash as wide for a missing value."""
+    if v is not None:
+        return format(v, spec)
+    width = spec.split(".")[0].rstrip("dfge%")
+    return "-".rjust(int(width) if width.isdigit() else 1)
 
 
 def report(payload, file=None):
