@@ -552,6 +552,18 @@ def report(payload, file=None):
         p("SKIPPED", why)
 
 
+def parse_chunk_sizes(parser, specs) -> dict:
+    """{backend: chunk size} from ``--chunk-size BACKEND=Q`` values; a malformed one is a usage
+    error of ``parser``."""
+    chunk_sizes = {}
+    for spec in specs:
+        backend, _, q = spec.partition("=")
+        if not q.isdigit():
+            parser.error(f"--chunk-size {spec!r}: expected BACKEND=Q, e.g. cutile=128")
+        chunk_sizes[backend] = int(q)
+    return chunk_sizes
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ssd.tools.endtoend",
                                      description=__doc__.splitlines()[0])
@@ -578,12 +590,7 @@ def main(argv=None) -> int:
                         help="call BACKEND's SSD at chunk size Q instead of the layer's 256 "
                              "(repeatable; e.g. cutile=128, each backend at its fastest)")
     args = parser.parse_args(argv)
-    chunk_sizes = {}
-    for spec in args.chunk_size:
-        backend, _, q = spec.partition("=")
-        if not q.isdigit():
-            parser.error(f"--chunk-size {spec!r}: expected BACKEND=Q, e.g. cutile=128")
-        chunk_sizes[backend] = int(q)
+    chunk_sizes = parse_chunk_sizes(parser, args.chunk_size)
 
     from ..layer import config_for_shape
 

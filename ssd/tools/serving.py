@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .endtoend import (GATE_TOL, SHARE_BACKENDS, GateFailed, _device, _failure, _quantiles,
-                       _rel_err, _sync, amdahl_rows, timer)
+                       _rel_err, _sync, amdahl_rows, parse_chunk_sizes, timer)
 from .env import RESULTS, environment, gpu_slug, write_json
 
 #: Requests whose first token and first step are compared with the torch backend's.
@@ -510,12 +510,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--out", help="output JSON (default results/<gpu>/serving_scenario.json)")
     args = parser.parse_args(argv)
-    chunk_sizes = {}
-    for spec in args.chunk_size:
-        backend, _, q = spec.partition("=")
-        if not q.isdigit():
-            parser.error(f"--chunk-size {spec!r}: expected BACKEND=Q, e.g. cutile=128")
-        chunk_sizes[backend] = int(q)
+    chunk_sizes = parse_chunk_sizes(parser, args.chunk_size)
     try:
         scenario = Scenario(args.requests, args.prompt_min, args.prompt_max, args.generate,
                             args.seed)
