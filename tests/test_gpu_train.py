@@ -61,7 +61,7 @@ def test_lm_gradients_match_the_torch_backend(backend, seqlen):
 
 
 def test_tiny_mqar_curves_follow_the_torch_backend():
-    backends = [b for b in BACKENDS if T._skips([b])[0]]
+    backends = [b for b in BACKENDS if T.usable_backends([b])[0]]
     if not backends:
         pytest.skip("neither cutile nor mamba_ssm can run here")
     config = replace(T.TRAIN_PRESETS["tiny"], precision="bf16", seq_len=64, chunk_size=32)

@@ -427,21 +427,14 @@ def run(shapes=SUITES["models"], backends=SHARE_BACKENDS, prefill_grid=PREFILL_G
         ``out`` is given); each part holds rows, failures, skipped, settings, its
         environment, and ``amdahl`` (predicted vs measured speedup of NEW over BASE).
     """
-    from ..layer import (PRESET_LAYERS, BackendUnavailable, Mamba2Mixer, Mamba2Stack,
-                         backend_function, config_for_shape, preset)
+    from ..layer import PRESET_LAYERS, Mamba2Mixer, Mamba2Stack, config_for_shape, preset
 
     device = _device(device)
     env = environment()
     chunks = dict(chunk_sizes or {})
     if unknown := set(chunks) - set(backends):
         raise ValueError(f"chunk_sizes names backends that are not run: {sorted(unknown)}")
-    usable, skipped = [], {}
-    for b in backends:
-        try:
-            backend_function(b)
-            usable.append(b)
-        except BackendUnavailable as exc:
-            skipped[b] = str(exc)
+    usable, skipped = usable_backends(backends)
     tasks = []
     if usable and "share" in parts:
         tasks += [("share", s) for s in shapes]
@@ -550,6 +543,20 @@ def report(payload, file=None):
         p("FAILED", f)
     for name, why in {**share.get("skipped", {}), **pre.get("skipped", {})}.items():
         p("SKIPPED", why)
+
+
+def usable_backends(backends) -> tuple[list, dict]:
+    """The backends of ``backends`` that load here, and {backend: why not} for the others."""
+    from ..layer import BackendUnavailable, backend_function
+
+    usable, skipped = [], {}
+    for b in backends:
+        try:
+            backend_function(b)
+            usable.append(b)
+        except BackendUnavailable as exc:
+            skipped[b] = str(exc)
+    return usable, skipped
 
 
 def parse_chunk_sizes(parser, specs) -> dict:

@@ -86,7 +86,7 @@ from pathlib import Path
 import numpy as np
 
 from .bench import SUITES, Shape, _progress
-from .endtoend import amdahl_rows, timer
+from .endtoend import amdahl_rows, timer, usable_backends
 from .env import RESULTS, environment, gpu_slug, write_json
 
 #: The target of a position that is not a query (``torch.nn.functional.cross_entropy``'s
@@ -579,19 +579,6 @@ def curve_gaps(runs: list[dict]) -> dict:
     return dict(between_backends=between, between_seeds=within, within_noise=verdict)
 
 
-def _skips(backends) -> tuple[list, dict]:
-    from ..layer import BackendUnavailable, backend_function
-
-    usable, skipped = [], {}
-    for b in backends:
-        try:
-            backend_function(b)
-            usable.append(b)
-        except BackendUnavailable as exc:
-            skipped[b] = str(exc)
-    return usable, skipped
-
-
 def _failure(exc) -> str:
     return f"{type(exc).__name__}: {exc}"[:400]
 
@@ -604,7 +591,7 @@ def run(config: TrainConfig, backends=BACKENDS, seeds=(0,), *, device=None, out=
     summary rows (:func:`summary`), the curve comparison (:func:`curve_gaps`) and the
     environment (``ssd.tools.env``)."""
     device = _device(device)
-    usable, skipped = _skips(backends)
+    usable, skipped = usable_backends(backends)
     data = make_data(config, device) if usable else None
     runs, failures = [], []
     for seed in seeds:
@@ -836,7 +823,7 @@ def step_sweep(shapes=SUITES["models"], backends=BACKENDS, *, n_layers: int = ST
     measured one), settings and the environment."""
     device = _device(device)
     chunks = dict(chunk_sizes or {})
-    usable, skipped = _skips(backends)
+    usable, skipped = usable_backends(backends)
     rows, failures = [], []
     tasks = [(s, b) for s in shapes for b in usable]
     for shape, backend in (_progress(tasks, "training step") if progress else tasks):
