@@ -88,7 +88,6 @@ def fb_table(backward, mode="graph") -> Table:
         row = dict(shape=shape, dims="×".join(map(str, o_fb["dims"])),
                    ours_f=o_f and o_f["median_ms"],
                    ours_fb=f"{o_fb['median_ms']:.3f} ({o_fb['chunk_size']})",
-                   ours_fb_ms=o_fb["median_ms"],
                    bwd_over_fwd=o_f and (o_fb["median_ms"] - o_f["median_ms"]) / o_f["median_ms"],
                    mamba_fb=m and f"{m['median_ms']:.3f} ({m['chunk_size']})",
                    ours_mb=o_fb["extra_peak_mb"], mamba_mb=m and m["extra_peak_mb"])
