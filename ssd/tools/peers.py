@@ -73,11 +73,12 @@ def mamba_ssm_mixer(mixer):
         for name, param in theirs.items():
             param.data = ours[name].detach().clone()  # ours' dtype: fp32 for the small ones
     peer.requires_grad_(False).eval()
+    # Said without apostrophes: the book pastes these strings into its prose.
     if fused:
-        conv = ("causal_conv1d's CUDA conv inside mamba_split_conv1d_scan_combined (conv, SSD "
-                "and gated norm in one call)")
+        conv = ("the CUDA conv of causal_conv1d inside mamba_split_conv1d_scan_combined (conv, "
+                "SSD and gated norm in one call)")
     elif getattr(module, "causal_conv1d_fn", None) is not None:
-        conv = "causal_conv1d_fn (the causal_conv1d package's CUDA conv)"
+        conv = "causal_conv1d_fn (the CUDA conv of the causal_conv1d package)"
     else:
         conv = "nn.Conv1d over transposed xBC, then SiLU (causal_conv1d not installed)"
     return peer, dict(fused=fused, conv=conv, norm=_NORM,
