@@ -416,3 +416,10 @@ def test_peer_share_times_the_module_with_the_layers_weights(tmp_path, monkeypat
     assert r["rest_ms"] > 0 and r["rest_diff_ms"] == pytest.approx(r["mixer_ms"] - r["ssd_ms"])
     assert r["chunk_size"] == TINY.chunk_size and r["rest_floor_ms"] > 0
     json.dumps(r)
+
+
+def test_cli_shapes(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    with pytest.raises(SystemExit):
+        main(["--suite", "models", "--shapes", "nonesuch", "--device", "cpu", "--out", str(out)])
+    assert "nonesuch" in capsys.readouterr().err and not out.exists()

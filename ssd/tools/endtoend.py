@@ -819,6 +819,9 @@ def main(argv=None) -> int:
                              "(repeatable; default both)")
     parser.add_argument("--no-peer", action="store_true",
                         help="skip mamba_ssm's own Mamba2 module")
+    parser.add_argument("--shapes", metavar="NAME,NAME",
+                        help="only these shapes of the suite (the share part; a run merges "
+                             "into the recording, so the shapes can be split over commands)")
     parser.add_argument("--only", choices=["share", "prefill"], help="run one part")
     parser.add_argument("--configs", help="prefill presets, comma-separated (default: "
                         "130m,2.7b,codestral-7b)")
@@ -852,6 +855,11 @@ def main(argv=None) -> int:
         shapes, chunk = list(SMOKE_SHAPES), SMOKE_CHUNK
         smoke = config_for_shape(SMOKE_SHAPES[0], chunk_size=chunk, dtype=dtype)
         grid = [(smoke, 1, SMOKE_SHAPES[0].l)]
+    if args.shapes:
+        names = args.shapes.split(",")
+        if unknown := set(names) - {s.name for s in shapes}:
+            parser.error(f"--shapes: {sorted(unknown)} not in the {args.suite} suite")
+        shapes = [s for s in shapes if s.name in names]
     parts = (args.only,) if args.only else ("share", "prefill")
     out = (Path(args.out) if args.out
            else RESULTS / gpu_slug(environment()) / "endtoend.json")
