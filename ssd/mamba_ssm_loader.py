@@ -31,6 +31,10 @@ def mamba_ssm_module(qualified: str):
     try:
         return importlib.import_module(qualified)
     except ImportError as first:
+        if getattr(sys.modules.get("mamba_ssm"), "__file__", False) is None:
+            # Already the bare package: the submodule itself fails (a dependency missing). Keep
+            # the submodules loaded so far; the layer and the autotuner reset hold on to them.
+            raise PeerUnavailable(f"mamba_ssm's {qualified} cannot be imported: {first}") from first
         spec = importlib.util.find_spec("mamba_ssm") if "mamba_ssm" not in sys.modules else None
         if spec is None and "mamba_ssm" not in sys.modules:
             raise PeerUnavailable(
@@ -44,7 +48,7 @@ def mamba_ssm_module(qualified: str):
         for loaded in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
             del sys.modules[loaded]
         bare = types.ModuleType("mamba_ssm")
-        bare.__path__ = list(path)
+        bare.__path__, bare.__file__ = list(path), None  # no file: how a later call knows it
         sys.modules["mamba_ssm"] = bare
         try:
             return importlib.import_module(qualified)

@@ -423,3 +423,29 @@ def test_cli_shapes(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--suite", "models", "--shapes", "nonesuch", "--device", "cpu", "--out", str(out)])
     assert "nonesuch" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_failing_mamba2_import_keeps_the_loaded_triton_modules(tmp_path, monkeypatch):
+    """Where mamba_ssm's package __init__ fails, its Triton SSD loads through a bare package;
+    if its Mamba2 module then fails to import (a dependency missing), the peer is unavailable
+    and the SSD module already loaded stays the one the layer holds."""
+    import sys
+
+    from ssd.tools import peers
+
+    _fake_mamba_ssm(tmp_path)
+    (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda_missing\n")
+    (tmp_path / "mamba_ssm" / "modules" / "mamba2.py").write_text("import huggingface_hub_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        forward = peers.mamba_ssm_forward()
+        loaded = sys.modules["mamba_ssm.ops.triton.ssd_combined"]
+        with pytest.raises(peers.PeerUnavailable, match="huggingface_hub_missing"):
+            peers.mamba_ssm_mixer(Mamba2Mixer(TINY))
+        assert sys.modules["mamba_ssm.ops.triton.ssd_combined"] is loaded
+        assert peers.mamba_ssm_forward() is forward
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+            del sys.modules[name]
