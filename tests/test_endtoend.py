@@ -435,7 +435,8 @@ def test_a_failing_mamba2_import_keeps_the_loaded_triton_modules(tmp_path, monke
 
     _fake_mamba_ssm(tmp_path)
     (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda_missing\n")
-    (tmp_path / "mamba_ssm" / "modules" / "mamba2.py").write_text("import huggingface_hub_missing\n")
+    modules = tmp_path / "mamba_ssm" / "modules"
+    (modules / "mamba2.py").write_text("import huggingface_hub_missing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
         monkeypatch.delitem(sys.modules, name)
