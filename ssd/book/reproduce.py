@@ -42,7 +42,8 @@ HOLDS = {
                      "share; Amdahl",
     "decode": "the decode step, ours and mamba_ssm's: times, state bandwidth against a copy's",
     "study": "the layout study: the default and each factor varied around it",
-    "endtoend": "a Mamba-2 mixer per model shape (the SSD's share); prefill stacks",
+    "endtoend": "a Mamba-2 mixer per model shape, plain and fast layer, and mamba_ssm's "
+                "Mamba2 (the SSD's share, the rest's floor, ceilings); prefill stacks",
     "tilegym_replayed": "TileGym's tuned configurations replayed beside ours",
     "primer": "the primer's kernels: compile and launch times",
     "stage1_chunk_cumsum": "stage 1 against the reference; its time",
