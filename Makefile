@@ -19,7 +19,7 @@ BOOK_FLAGS ?= -W --keep-going
 
 NOTEBOOKS := $(wildcard notebooks/*.ipynb)
 
-.PHONY: book test test-py test-nb test-book test-browser gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-results gpu-tilegym resources clean
+.PHONY: book test test-py test-nb test-book test-browser resources clean
 
 book: $(BOOK_VENV)/.stamp
 	$(BOOK_VENV)/bin/jupyter-book build . $(BOOK_FLAGS)
@@ -65,21 +65,44 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # names it), then execute the GPU chapters so their stored outputs come from the same
 # run. Each part is sized for under ten minutes on a fresh H100 or H200, for machines
 # that cap a command's time:
-#   gpu-check     the GPU tests (gpu_tests.json, gpu_mixer_tests.json,
-#                 gpu_decode_tests.json; one process per core: compiling the kernel
-#                 variants dominates) and first calls
-#   gpu-models-1  the models suite against mamba_ssm and TileGym, some shapes, and
-#   gpu-models-2  the others, merged into one models.json (about two minutes a shape,
-#                 most of it compiling and mamba_ssm's autotuning)
-#   gpu-bench     the serving suite, and TileGym tuned replayed beside ours
-#   gpu-study     the layout study, the SSD's share of the layer and a prefill grid
-#   gpu-results   chapters 04-08 executed (they time kernels live, record what they show)
+#   gpu-check          the GPU tests (gpu_tests.json, gpu_mixer_tests.json,
+#                      gpu_decode_tests.json; one process per core: compiling the
+#                      kernel variants dominates) and first calls
+#   gpu-models-1       the models suite against mamba_ssm and TileGym, some shapes,
+#   gpu-models-2       and the others, merged into one models.json (about two minutes
+#                      a shape, most of it compiling and mamba_ssm's autotuning)
+#   gpu-bench          the serving suite, and TileGym tuned replayed beside ours
+#   gpu-study          the layout study
+#   gpu-layer          both layers and mamba_ssm's Mamba2: the SSD's share, the rest's
+#                      floor; a prefill grid (endtoend.json)
+#   gpu-serving        the decode step against mamba_ssm's (decode.json) and the
+#                      serving scenario: a packed prefill, then decoding
+#                      (serving_scenario.json)
+#   gpu-robust-1..8    the robust suite against mamba_ssm, every 8th shape from the
+#                      1st, ..., from the 8th, merged into one robust.json
+#   gpu-backward-1..3  forward + backward against mamba_ssm on the models shapes,
+#                      some shapes each, merged into one backward.json
+#   gpu-train-mqar     the recall task trained with each backend from two seeds
+#                      (training.json)
+#   gpu-train-step-1   a training step of the stack at the models shapes, some
+#   gpu-train-step-2   shapes each, merged into one training_step.json
+#   gpu-results        chapters 04-08 executed (they time kernels live)
 # The layer calls our SSD at chunk 64 and mamba_ssm's at 256, each one's fastest on
 # most models shapes (chapter 10).
 GPU_PYTHON ?= python3
 MODELS_1 ?= 130m,2.7b,long-16k
 MODELS_2 ?= codestral-7b,small-state
-gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-results
+BACKWARD_1 ?= 130m,2.7b
+BACKWARD_2 ?= long-16k,codestral-7b
+BACKWARD_3 ?= small-state
+.PHONY: gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
+  gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-robust-6 \
+  gpu-robust-7 gpu-robust-8 gpu-backward-1 gpu-backward-2 gpu-backward-3 gpu-train-mqar \
+  gpu-train-step-1 gpu-train-step-2 gpu-results gpu-tilegym
+gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
+  gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-robust-6 \
+  gpu-robust-7 gpu-robust-8 gpu-backward-1 gpu-backward-2 gpu-backward-3 gpu-train-mqar \
+  gpu-train-step-1 gpu-train-step-2 gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
 	$(GPU_PYTHON) -m pytest -m gpu -n auto -q tests/
@@ -94,9 +117,41 @@ gpu-bench:
 	  --tilegym-replay --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/tilegym_replayed.json
 gpu-study:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite study --reps 20
+gpu-layer:
 	$(GPU_PYTHON) -m ssd.tools.endtoend --only share --reps 10 --chunk-size cutile=64
 	$(GPU_PYTHON) -m ssd.tools.endtoend --only prefill --quick --layers 8 --prefill-reps 5 \
 	  --chunk-size cutile=64
+gpu-serving:
+	$(GPU_PYTHON) -m ssd.tools.decode_bench --reps 50
+	$(GPU_PYTHON) -m ssd.tools.serving --reps 10 --chunk-size cutile=64
+gpu-robust-1:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 1/8 --merge
+gpu-robust-2:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 2/8 --merge
+gpu-robust-3:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 3/8 --merge
+gpu-robust-4:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 4/8 --merge
+gpu-robust-5:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 5/8 --merge
+gpu-robust-6:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 6/8 --merge
+gpu-robust-7:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 7/8 --merge
+gpu-robust-8:
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 8/8 --merge
+gpu-backward-1:
+	$(GPU_PYTHON) -m ssd.tools.backward_bench --reps 30 --shapes $(BACKWARD_1) --merge
+gpu-backward-2:
+	$(GPU_PYTHON) -m ssd.tools.backward_bench --reps 30 --shapes $(BACKWARD_2) --merge
+gpu-backward-3:
+	$(GPU_PYTHON) -m ssd.tools.backward_bench --reps 30 --shapes $(BACKWARD_3) --merge
+gpu-train-mqar:
+	$(GPU_PYTHON) -m ssd.tools.train mqar --seed 0 --seed 1 --no-progress
+gpu-train-step-1:
+	$(GPU_PYTHON) -m ssd.tools.train step --shapes $(MODELS_1) --no-progress
+gpu-train-step-2:
+	$(GPU_PYTHON) -m ssd.tools.train step --shapes $(MODELS_2) --no-progress
 gpu-results:
 	$(GPU_PYTHON) -m ssd.book.run '0[4-8]*.ipynb'
 

@@ -1,13 +1,15 @@
 """Cost models: FLOPs and memory traffic of the SSD forward, and the time floor they imply.
 
-Three models, all counts exact integers for given sizes:
+Four models, all counts exact integers for given sizes:
 
 * ``recurrence_flops`` / ``quadratic_flops`` -- one head of one sequence, for the
   O(l) versus O(l^2) comparison of the recurrence and the quadratic (dual) form;
 * ``ssd_costs`` -- the chunked algorithm, stage by stage (FLOPs and bytes read and
   written), for a whole problem;
 * ``floor_ms`` -- the time no kernel can beat on a machine with a given memory bandwidth
-  and arithmetic rate: max(bytes / bandwidth, FLOPs / rate).
+  and arithmetic rate: max(bytes / bandwidth, FLOPs / rate);
+* ``rest_floor`` -- the same floor for the Mamba-2 mixer around the SSD: its projections'
+  FLOPs at the matmul rate plus its conv's and norm's bytes at the copy bandwidth.
 
 Counting conventions (shared by every function here)
 -----------------------------------------------------
@@ -26,7 +28,8 @@ from __future__ import annotations
 import math
 import operator
 
-__all__ = ["STAGES", "recurrence_flops", "quadratic_flops", "ssd_costs", "floor_ms"]
+__all__ = ["STAGES", "DTYPE_BYTES", "recurrence_flops", "quadratic_flops", "ssd_costs", "floor_ms",
+           "rest_floor"]
 
 #: The stages of the chunked algorithm, in the order they run.
 STAGES = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan")
@@ -197,3 +200,50 @@ def floor_ms(costs, bandwidth_bytes_per_s, flops_per_s):
         return 1e3 * max(costs["bytes"] / bandwidth_bytes_per_s,
                          costs["flops"] / flops_per_s)
     return sum(floor_ms(costs[s], bandwidth_bytes_per_s, flops_per_s) for s in STAGES)
+
+
+#: Bytes of one element of each model dtype the layer takes.
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def rest_floor(config, batch, seqlen, ceilings) -> dict:
+    """The floor of a Mamba-2 mixer without its SSD (ms): the projections at the matmul rate
+    plus the conv's and the gated norm's compulsory bytes at the copy bandwidth.
+
+    The two projections are matrix multiplications, bound by arithmetic: in_proj costs
+    2 t d_model d_in_proj FLOPs and out_proj 2 t d_inner d_model over t = batch * seqlen tokens.
+    The conv (with its SiLU) and the norm are elementwise passes, bound by memory: the conv
+    reads xBC and writes it convolved, t conv_dim elements each way, plus its weights and bias
+    (conv_dim (d_conv + 1)); the norm reads y and z and writes its output, t d_inner elements
+    each, plus its weights (d_inner, fp32; fp64 in an fp64 model). Elements have the model
+    dtype's size. Nothing is counted twice and nothing between the parts (the projections'
+    inputs and outputs are the projections' own bytes, hidden under their FLOPs), so no layer
+    with these four operations can be faster; the sum assumes the passes do not overlap.
+
+    Args:
+        config: an ``ssd.layer.Mamba2Config`` (d_model, d_inner, d_in_proj, conv_dim, d_conv,
+            dtype are read).
+        batch, seqlen: the input (batch, seqlen, d_model).
+        ceilings: {"copy_bytes_per_s", "bf16_flops_per_s"}, measured on the GPU
+            (``ssd.tools.bench.measure_ceilings``).
+    Returns:
+        dict with in_proj_flops, out_proj_flops, proj_flops, conv_bytes, norm_bytes,
+        proj_ms = proj_flops / rate, bytes_ms = (conv_bytes + norm_bytes) / bandwidth, and
+        floor_ms = proj_ms + bytes_ms.
+    """
+    c, t = config, int(batch) * int(seqlen)
+    if t < 1:
+        raise ValueError(f"batch, seqlen: expected positive sizes, got {batch}, {seqlen}")
+    rate, bandwidth = ceilings["bf16_flops_per_s"], ceilings["copy_bytes_per_s"]
+    if rate <= 0 or bandwidth <= 0:
+        raise ValueError(f"ceilings: expected positive rates, got {dict(ceilings)}")
+    e = DTYPE_BYTES[c.dtype]
+    in_proj = 2 * t * c.d_model * c.d_in_proj
+    out_proj = 2 * t * c.d_inner * c.d_model
+    conv = e * (2 * t * c.conv_dim + c.conv_dim * (c.d_conv + 1))
+    norm = e * 3 * t * c.d_inner + max(e, 4) * c.d_inner
+    proj_ms = 1e3 * (in_proj + out_proj) / rate
+    bytes_ms = 1e3 * (conv + norm) / bandwidth
+    return dict(in_proj_flops=in_proj, out_proj_flops=out_proj, proj_flops=in_proj + out_proj,
+                conv_bytes=conv, norm_bytes=norm, proj_ms=proj_ms, bytes_ms=bytes_ms,
+                floor_ms=proj_ms + bytes_ms)

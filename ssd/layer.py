@@ -18,7 +18,7 @@ one of four backends:
 backend        what                                                  where
 =============  ===================================================  ===========================
 ``cutile``     ``ssd.api.mamba_chunk_scan_combined`` (our kernels)   CUDA + cuda-tile
-``mamba_ssm``  mamba_ssm's Triton forward (``ssd.tools.peers``)            CUDA + mamba_ssm + triton
+``mamba_ssm``  mamba_ssm's Triton SSD, ``ssd.mamba_ssm_loader``     CUDA + mamba_ssm + triton
 ``torch``      :func:`ssd_torch`, the chunked algorithm in plain      any device; fp32 compute
                PyTorch (fp64 for fp64 inputs)                        (fp64 for fp64 inputs)
 ``reference``  ``ssd.reference.ssd_chunked`` in NumPy float64        CPU copy, slow (tests)
@@ -480,7 +480,7 @@ def backend_function(name: str):
             raise BackendUnavailable(f"SSD backend 'cutile' is unavailable: ssd.api failed to "
                                      f"import ({type(exc).__name__}: {exc})") from exc
         return mamba_chunk_scan_combined
-    from .tools.peers import PeerUnavailable, mamba_ssm_forward
+    from .mamba_ssm_loader import PeerUnavailable, mamba_ssm_forward
 
     try:
         return mamba_ssm_forward()
@@ -510,7 +510,7 @@ def step_function(name: str):
             raise BackendUnavailable(f"SSD backend 'cutile' is unavailable: ssd.decode failed to "
                                      f"import ({type(exc).__name__}: {exc})") from exc
         return selective_state_update
-    from .tools.peers import PeerUnavailable, mamba_ssm_state_update
+    from .mamba_ssm_loader import PeerUnavailable, mamba_ssm_state_update
 
     try:
         return _mamba_ssm_step(mamba_ssm_state_update())

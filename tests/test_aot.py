@@ -26,10 +26,10 @@ KERNELS = FORWARD_KERNELS | {"chunk_state_varlen_kernel", "state_update_kernel",
 # Every kernel for every arch in bf16, the dtype models run in: the forward (both feature sets,
 # fused and split stage 2, the one kernel), each packed sequence's final state, the decode step
 # (an fp32 state and one of the inputs' dtype) and the layer's conv (with and without seq_idx
-# and an initial state) and norm. fp32 and fp16 for sm_90, the forward only: fp32 costs the most
-# compile time (over a minute on a 2-core CPU). The risk this leaves: a compile failure of one
-# dtype on sm_80 or sm_100 alone, or of the other kernels in fp32 or fp16 (the GPU tests run
-# every dtype on sm_90). One arch a test, so that xdist spreads the compiles over the cores.
+# and an initial state) and norm. fp32 and fp16 for sm_90, the forward with every feature only:
+# fp32 costs the most compile time (its chunk_scan and one kernel take about 30 s each on a
+# 2-core CPU). The risk this leaves: a compile failure of one dtype on sm_80 or sm_100 alone,
+# or of the other kernels in fp32 or fp16 (the GPU tests run every dtype on sm_90). One arch a test, so that xdist spreads the compiles over the cores.
 @pytest.mark.parametrize("dtype, archs", [("bfloat16", (a,)) for a in aot.ARCHS]
                          + [("float32", ("sm_90",)), ("float16", ("sm_90",))])
 def test_every_kernel_compiles_for_every_arch(dtype, archs):

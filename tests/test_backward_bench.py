@@ -78,3 +78,25 @@ def test_main_rejects_what_it_cannot_run(argv, message, capsys):
     with pytest.raises(SystemExit):
         BB.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_merge_keeps_other_shapes_of_the_same_revision_only(tmp_path):
+    env = dict(git_revision="abc", gpu="G")
+    settings = dict(modes=["graph"], l2="flushed")
+
+    def payload(shape, ms, revision="abc"):
+        recs = [dict(r, median_ms=ms) for r in RECORDS if r["shape"] == shape]
+        return dict(records=recs, failures=[], skipped={f"{shape}/tilegym": "no"},
+                    mamba_ssm_configs={shape: {}}, settings=settings,
+                    environment=dict(env, git_revision=revision))
+
+    path = tmp_path / "backward.json"
+    assert BB.merged(path, payload("a", 1.0)) == payload("a", 1.0)  # nothing there yet
+    BB.write_json(path, payload("a", 1.0))
+    both = BB.merged(path, payload("b", 2.0))
+    assert {r["shape"] for r in both["records"]} == {"a", "b"}
+    assert set(both["skipped"]) == {"a/tilegym", "b/tilegym"} and set(both["mamba_ssm_configs"]) == {"a", "b"}
+    again = BB.merged(path, payload("a", 3.0))  # a shape run again replaces its records
+    assert {r["median_ms"] for r in again["records"]} == {3.0}
+    other = BB.merged(path, payload("b", 2.0, revision="def"))  # another revision: alone
+    assert {r["shape"] for r in other["records"]} == {"b"}

@@ -65,6 +65,13 @@ def test_writes(notebooks):
     assert w("python -m ssd.tools.aot --resources") == ["compile/sm_90_resources.json"]
     assert w("python -m ssd.book.run '0[4-5]*.ipynb'") == ["<gpu>/primer.json", "<gpu>/stage1.json"]
     assert w("python -m ssd doctor") == []
+    assert w("python -m ssd.tools.decode_bench --reps 50") == ["<gpu>/decode.json"]
+    assert w("python -m ssd.tools.serving --reps 10") == ["<gpu>/serving_scenario.json"]
+    assert w("python -m ssd.tools.backward_bench --merge") == ["<gpu>/backward.json"]
+    assert w("python -m ssd.tools.train mqar --seed 0") == ["<gpu>/training.json"]
+    assert w("python -m ssd.tools.train step --shapes 2.7b") == ["<gpu>/training_step.json"]
+    assert w("python -m ssd.tools.bench --suite robust --shard 2/8 --merge") == [
+        "<gpu>/robust.json"]
 
 
 def test_gpu_plan(notebooks):
@@ -84,6 +91,14 @@ def test_real_makefile_plan():
     bench = next(i for i, c in enumerate(commands) if "ssd.tools.bench" in c)
     assert tests < bench                                     # correctness before any timing
     assert {"<gpu>/gpu_tests.json", "<gpu>/models.json"} <= set(written)
+    serving_and_training = {"decode", "serving_scenario", "robust", "backward", "training",
+                            "training_step"}
+    assert {f"<gpu>/{n}.json" for n in serving_and_training} <= set(written)
+    assert serving_and_training <= set(rp.HOLDS)
+    shards = [c for c in commands if "--suite robust" in c]
+    assert sorted(c.split("--shard ")[1].split()[0] for c in shards) == [
+        f"{i}/{len(shards)}" for i in range(1, len(shards) + 1)]   # every shard, once
+    assert all("--merge" in c for c in shards)
 
 
 def test_recordings_and_environment(recs):

@@ -250,3 +250,203 @@ def test_cli_rejects_a_malformed_chunk_size(spec, capsys):
     with pytest.raises(SystemExit):
         main(["--suite", "smoke", "--backend", "torch", "--device", "cpu", "--chunk-size", spec])
     assert "expected BACKEND=Q" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- both layers, floor
+
+
+def test_rest_floor_counts_what_the_layer_moves():
+    """ssd.cost.rest_floor against counts taken from the layer's own tensors: the projections'
+    FLOPs from their weights, the conv's and norm's bytes from the tensors the SSD gets (the
+    conv's output is x, B, C; the norm reads y, shaped as x, and z, and writes as much)."""
+    from ssd.cost import rest_floor
+
+    mixer = Mamba2Mixer(TINY, seed=3)
+    b, l = 2, 24
+    _, calls = mamba2.capture_ssd_calls(mixer, torch.randn(b, l, TINY.d_model))
+    x, dt, A, B, C, D, dt_bias = calls[0]
+    e, t = x.element_size(), b * l
+    conv_w = mixer.conv1d.weight.numel() + mixer.conv1d.bias.numel()
+    flops = 2 * t * (mixer.in_proj.weight.numel() + mixer.out_proj.weight.numel())
+    conv = e * (2 * (x.numel() + B.numel() + C.numel()) + conv_w)
+    norm = e * 3 * x.numel() + mixer.norm.weight.numel() * mixer.norm.weight.element_size()
+    ceilings = dict(copy_bytes_per_s=3e9, bf16_flops_per_s=7e11)
+    f = rest_floor(TINY, b, l, ceilings)
+    assert (f["proj_flops"], f["conv_bytes"], f["norm_bytes"]) == (flops, conv, norm)
+    assert f["floor_ms"] == pytest.approx(1e3 * (flops / 7e11 + (conv + norm) / 3e9))
+    assert f["floor_ms"] == pytest.approx(f["proj_ms"] + f["bytes_ms"])
+    with pytest.raises(ValueError, match="ceilings"):
+        rest_floor(TINY, b, l, dict(copy_bytes_per_s=0.0, bf16_flops_per_s=1.0))
+
+
+def test_plain_output_is_the_plain_layer_and_restores_the_mixer():
+    mixer = Mamba2Mixer(TINY, "reference", seed=4).set_backend("reference", 8)
+    u = torch.randn(1, 24, TINY.d_model)
+    plain = Mamba2Mixer(TINY, "torch", seed=4).set_backend("torch", 8)(u)
+    assert torch.equal(endtoend.plain_output(mixer, u), plain)
+    assert (mixer.backend, mixer.ssd.chunk_size, mixer.kernels) == ("reference", 8, "torch")
+
+
+@pytest.fixture(scope="module")
+def share_record(tmp_path_factory):
+    """The share part of a CPU run on the smoke shape: the torch SSD in the plain layer (the
+    fast layer's kernels need a GPU), projections, the floor."""
+    out = tmp_path_factory.mktemp("share") / "endtoend.json"
+    shape = endtoend.SMOKE_SHAPES[0]
+    run([shape], ("torch",), (), parts=("share",), reps=2, chunk_size=32, dtype="float32",
+        device="cpu", out=out, progress=False)
+    return shape, out, json.loads(out.read_text())
+
+
+def test_share_record_schema(share_record):
+    from ssd.cost import rest_floor
+
+    shape, _, disk = share_record
+    part = disk["share"]
+    ceil = part["ceilings"]
+    assert ceil["copy_bytes_per_s"] > 0 and ceil["bf16_flops_per_s"] > 0
+    assert part["settings"]["kernels"] == ["torch"]
+    if not torch.cuda.is_available():
+        assert "kernels:cutile" in part["skipped"] and "mamba_ssm" in part["skipped"]
+    (r,) = part["rows"]
+    assert (r["shape"], r["backend"], r["kernels"]) == (shape.name, "torch", "torch")
+    assert r["rest_diff_ms"] == pytest.approx(r["mixer_ms"] - r["ssd_ms"])
+    config = mamba2.config_for_shape(shape, chunk_size=32, dtype="float32")
+    assert r["rest_floor"] == pytest.approx(rest_floor(config, shape.b, shape.l, ceil))
+    assert r["rest_floor_ms"] == r["rest_floor"]["floor_ms"]
+    assert r["rest_over_floor"] == pytest.approx(r["rest_diff_ms"] / r["rest_floor_ms"])
+    pr, t = r["projections"], shape.b * shape.l
+    assert pr["in_proj_flops"] == 2 * t * config.d_model * config.d_in_proj
+    assert pr["out_proj_flops"] == 2 * t * config.d_inner * config.d_model
+    for name in ("in_proj", "out_proj"):
+        rate = pr[f"{name}_flops"] / (pr[f"{name}_ms"] * 1e-3)
+        assert pr[f"{name}_tflops"] == pytest.approx(rate / 1e12)
+        assert pr[f"{name}_of_ceiling"] == pytest.approx(rate / ceil["bf16_flops_per_s"])
+
+
+def test_a_merged_run_keeps_the_recorded_ceilings(share_record):
+    """Every floor of one recording comes from one measurement of the ceilings; rows are
+    keyed by shape, backend and layer."""
+    shape, out, disk = share_record
+    again = run([shape], ("torch",), (), parts=("share",), reps=1, chunk_size=32,
+                dtype="float32", device="cpu", out=out, progress=False)
+    assert again["share"]["ceilings"] == disk["share"]["ceilings"]
+    assert len(again["share"]["rows"]) == 1
+    assert endtoend.ROW_KEYS["share"] == ("shape", "kernels", "backend")
+
+
+def test_amdahl_pairs_within_one_layer():
+    rows = [dict(shape="a", kernels=k, backend=b, mixer_ms=m, ssd_ms=s)
+            for k, b, m, s in (("torch", "mamba_ssm", 10.0, 2.0), ("torch", "cutile", 9.0, 1.0),
+                               ("cutile", "mamba_ssm", 4.0, 2.0), ("cutile", "cutile", 3.0, 1.0),
+                               (endtoend.PEER_KERNELS, "mamba_ssm", 5.0, 2.0))]
+    out = amdahl_rows(rows, key=endtoend.AMDAHL_KEYS["share"])
+    assert [(a["kernels"], a["share"], a["measured"]) for a in out] == [
+        ("torch", 2.0 / 10.0, 10.0 / 9.0), ("cutile", 2.0 / 4.0, 4.0 / 3.0)]
+    # the same kernel gain, a larger share in the faster layer: a larger predicted speedup
+    assert out[1]["predicted"] > out[0]["predicted"]
+
+
+def _fake_mamba_ssm(root):
+    """A stand-in mamba_ssm package with the parts peer_share touches: an unfused Mamba2 whose
+    SSD is the module-level ``mamba_chunk_scan_combined`` (here ssd.layer.ssd_torch)."""
+    pkg = root / "mamba_ssm"
+    for sub in ("", "ops", "ops/triton", "modules"):
+        (pkg / sub).mkdir(parents=True, exist_ok=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "ops" / "triton" / "ssd_combined.py").write_text(
+        "from ssd.layer import ssd_torch as mamba_chunk_scan_combined\n"
+        "causal_conv1d_fwd_function = None\n")
+    (pkg / "modules" / "mamba2.py").write_text('''
+import torch
+from torch import nn
+from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+from ssd.layer import GatedRMSNorm, causal_conv1d_torch
+
+causal_conv1d_fn = None
+
+
+class Mamba2(nn.Module):
+    def __init__(self, d_model, d_state, d_conv, expand, headdim, ngroups, chunk_size, dt_limit,
+                 use_mem_eff_path, device, dtype):
+        super().__init__()
+        assert not use_mem_eff_path
+        self.p, self.g, self.n, self.chunk_size = headdim, ngroups, d_state, chunk_size
+        self.d_inner = d_inner = expand * d_model
+        self.h, conv_dim = d_inner // headdim, d_inner + 2 * ngroups * d_state
+        kw = dict(device=device, dtype=dtype)
+        self.in_proj = nn.Linear(d_model, d_inner + conv_dim + self.h, bias=False, **kw)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, d_conv, groups=conv_dim,
+                                padding=d_conv - 1, **kw)
+        self.dt_bias, self.A_log, self.D = (nn.Parameter(torch.zeros(self.h)) for _ in range(3))
+        self.norm = GatedRMSNorm(d_inner, d_inner // ngroups)
+        self.out_proj = nn.Linear(d_inner, d_model, bias=False, **kw)
+
+    def forward(self, u):
+        z, xBC, dt = torch.split(self.in_proj(u), [self.d_inner, self.conv1d.in_channels, self.h],
+                                 dim=-1)
+        x, B, C = torch.split(causal_conv1d_torch(xBC, self.conv1d),
+                              [self.d_inner, self.g * self.n, self.g * self.n], dim=-1)
+        y = mamba_chunk_scan_combined(x.unflatten(-1, (self.h, self.p)), dt,
+                                      -torch.exp(self.A_log), B.unflatten(-1, (self.g, self.n)),
+                                      C.unflatten(-1, (self.g, self.n)), self.chunk_size, D=self.D,
+                                      dt_bias=self.dt_bias, dt_softplus=True)
+        return self.out_proj(self.norm(y.flatten(-2), z))
+''')
+
+
+def test_peer_share_times_the_module_with_the_layers_weights(tmp_path, monkeypatch):
+    import sys
+
+    _fake_mamba_ssm(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        mixer = Mamba2Mixer(TINY, "torch", seed=5)
+        ceilings = dict(copy_bytes_per_s=1e9, bf16_flops_per_s=1e10)
+        r = endtoend.peer_share(mixer, 2, 40, reps=2, tune=False, ceilings=ceilings)
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+            del sys.modules[name]
+    assert (r["backend"], r["kernels"]) == ("mamba_ssm", endtoend.PEER_KERNELS)
+    assert r["path"]["fused"] is False and "nn.Conv1d" in r["path"]["conv"]
+    assert "Triton" in r["path"]["norm"] and r["ssd_timed_on"] == "the tensors Mamba2 passed"
+    assert r["gate_rel_err"] < 1e-5  # the same weights: the same function as the plain layer
+    assert r["rest_ms"] > 0 and r["rest_diff_ms"] == pytest.approx(r["mixer_ms"] - r["ssd_ms"])
+    assert r["chunk_size"] == TINY.chunk_size and r["rest_floor_ms"] > 0
+    json.dumps(r)
+
+
+def test_cli_shapes(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    with pytest.raises(SystemExit):
+        main(["--suite", "models", "--shapes", "nonesuch", "--device", "cpu", "--out", str(out)])
+    assert "nonesuch" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_failing_mamba2_import_keeps_the_loaded_triton_modules(tmp_path, monkeypatch):
+    """Where mamba_ssm's package __init__ fails, its Triton SSD loads through a bare package;
+    if its Mamba2 module then fails to import (a dependency missing), the peer is unavailable
+    and the SSD module already loaded stays the one the layer holds."""
+    import sys
+
+    from ssd.tools import peers
+
+    _fake_mamba_ssm(tmp_path)
+    (tmp_path / "mamba_ssm" / "__init__.py").write_text("import selective_scan_cuda_missing\n")
+    modules = tmp_path / "mamba_ssm" / "modules"
+    (modules / "mamba2.py").write_text("import huggingface_hub_missing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        forward = peers.mamba_ssm_forward()
+        loaded = sys.modules["mamba_ssm.ops.triton.ssd_combined"]
+        with pytest.raises(peers.PeerUnavailable, match="huggingface_hub_missing"):
+            peers.mamba_ssm_mixer(Mamba2Mixer(TINY))
+        assert sys.modules["mamba_ssm.ops.triton.ssd_combined"] is loaded
+        assert peers.mamba_ssm_forward() is forward
+    finally:
+        for name in [m for m in sys.modules if m.split(".")[0] == "mamba_ssm"]:
+            del sys.modules[name]

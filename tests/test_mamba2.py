@@ -575,3 +575,30 @@ def test_gpu_torch_backend_matches_float64_reference(gpu_record):
     gpu_record.append(dict(record="mixer", test="mixer-torch-fp32-vs-fp64", shape="g4-l1000",
                            dims=list(config.ssd_dims(b, l)), chunk_size=config.chunk_size,
                            dtype="float32", stage="mixer", rel_err=err, tol=1e-5, seed=seed))
+
+
+def test_the_library_imports_no_tool():
+    """ssd's library modules (the layer among them) import neither ssd.tools nor ssd.book: the
+    tools and the book sit on the library, not under it (mamba_ssm's backend comes from
+    ssd.mamba_ssm_loader). Only the command line entry point, ssd/__main__.py, reaches up."""
+    import ast
+    from pathlib import Path
+
+    import ssd
+
+    root = Path(ssd.__file__).parent
+    for package, folder in (("ssd", root), ("ssd.kernels", root / "kernels")):
+        for path in folder.glob("*.py"):
+            if path.name == "__main__.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom):  # resolve relative imports
+                    base = package.split(".")[:len(package.split(".")) - max(node.level - 1, 0)]
+                    names = [".".join(base + [node.module or ""]) if node.level else node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    assert not name.startswith(("ssd.tools", "ssd.book")), \
+                        f"{path.relative_to(root)} imports {name}"

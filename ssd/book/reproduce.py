@@ -30,9 +30,20 @@ HOLDS = {
     "models": "five model shapes: ours, mamba_ssm, TileGym at three chunk sizes, graph and "
               "eager, L2 flushed and warm; stage times; ceilings",
     "serving": "the models suite's record for short prompts",
+    "serving_scenario": "a packed prefill of many prompts, then decoding, per SSD backend: "
+                        "time to first token, tokens/s, the SSD's share",
+    "robust": "shapes drawn from published Mamba-2 layers, packed or not: ours against "
+              "mamba_ssm, graph and eager, against the suite's goals",
+    "backward": "forward + backward, ours and mamba_ssm's, at three chunk sizes, graph and "
+                "eager; extra peak memory",
+    "training": "the recall task trained with each SSD backend: loss and accuracy curves, "
+                "step times",
+    "training_step": "a training step of the stack per models shape and backend; the SSD's "
+                     "share; Amdahl",
     "decode": "the decode step, ours and mamba_ssm's: times, state bandwidth against a copy's",
     "study": "the layout study: the default and each factor varied around it",
-    "endtoend": "a Mamba-2 mixer per model shape (the SSD's share); prefill stacks",
+    "endtoend": "a Mamba-2 mixer per model shape, plain and fast layer, and mamba_ssm's "
+                "Mamba2 (the SSD's share, the rest's floor, ceilings); prefill stacks",
     "tilegym_replayed": "TileGym's tuned configurations replayed beside ours",
     "primer": "the primer's kernels: compile and launch times",
     "stage1_chunk_cumsum": "stage 1 against the reference; its time",
@@ -44,6 +55,9 @@ HOLDS = {
 }
 #: Recordings that no rule of the Makefile writes, and the command that does.
 OTHER_WRITERS = {"compile/sm_90_resources.json": "python -m ssd.tools.aot --resources"}
+#: The recording each of these tools writes by default (the others' depends on their options).
+TOOL_RECORDINGS = {"ssd.tools.decode_bench": "decode", "ssd.tools.serving": "serving_scenario",
+                   "ssd.tools.backward_bench": "backward"}
 #: The versions (and driver) an environment record names, as ``ssd.tools.env`` keys them.
 VERSIONS = ("driver", "tileiras", "cuda_tile", "torch", "triton", "mamba_ssm", "tilegym",
             "python")
@@ -217,6 +231,12 @@ def writes(command: str, notebooks=None) -> list:
         return [f"<gpu>/{opt('--suite') or 'models'}.json"]
     if "ssd.tools.endtoend" in argv:
         return ["<gpu>/endtoend.json" + (f" ({opt('--only')})" if opt("--only") else "")]
+    if "ssd.tools.train" in argv:
+        part = argv[argv.index("ssd.tools.train") + 1:][:1]
+        return ["<gpu>/training_step.json" if part == ["step"] else "<gpu>/training.json"]
+    for tool, name in TOOL_RECORDINGS.items():
+        if tool in argv:
+            return [f"<gpu>/{name}.json"]
     if "ssd.tools.aot" in argv and "--resources" in argv:
         return ["compile/sm_90_resources.json"]
     if "ssd.book.run" in argv:

@@ -191,13 +191,14 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
     each packed sequence's final state, the decode step and the layer's conv and norm
-    (:func:`capture_layer`), for each arch."""
+    (:func:`capture_layer`), for each arch. ``forward_only`` also keeps to the forward with
+    every feature, whose kernels hold the featureless ones' code and more."""
     from ..config import FusedScanConfig, SSDConfig
 
     done, seen = [], set()
     one_kernel = SSDConfig(fused_scan=FusedScanConfig(enabled=True))
     for dtype in dtypes:
-        for features in ("none", "all"):
+        for features in ("all",) if forward_only else ("none", "all"):
             records = []
             for fused in (True, False):
                 records += capture_forward(dtype, features, fused)

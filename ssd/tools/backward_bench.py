@@ -27,18 +27,23 @@ It prints one line a shape and implementation at its fastest chunk size (forward
 graph): forward and forward + backward times, the backward's share (their ratio), the extra peak
 memory, and mamba_ssm's time over ours; then the geometric mean of that speedup. The payload
 (records, failures, skipped peers, settings, mamba_ssm's tuned configurations and the
-environment, ``ssd.tools.env``) goes to ``results/<gpu>/backward.json`` or ``--out``.
+environment, ``ssd.tools.env``) goes to ``results/<gpu>/backward.json`` or ``--out``. With
+``--merge`` a run of some shapes merges into that file when it was made at the same revision on
+the same GPU with the same settings (``ssd.tools.bench.merge_runs``), so that several commands,
+each within a time limit, record the whole suite.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from .bench import SUITE_CHUNKS, SUITES, Shape, make_inputs, time_fn
+from .bench import SUITE_CHUNKS, SUITES, Shape, make_inputs, merge_runs, time_fn
 from .env import RESULTS, environment, gpu_slug, write_json
 
 #: The inputs that get gradients (the layer's SSD call: no z, no initial states).
@@ -273,6 +278,21 @@ def table(payload) -> str:
     return "\n".join(lines)
 
 
+def merged(path, payload: dict) -> dict:
+    """``payload`` merged into the recording at ``path`` when that one was made at the same
+    revision on the same GPU (``ssd.tools.bench.merge_runs``, which refuses other settings);
+    ``payload`` alone where there is none or it is of another revision or GPU: one recording,
+    one revision."""
+    path = Path(path)
+    if not path.is_file():
+        return payload
+    old = json.loads(path.read_text())
+    env = payload["environment"]
+    if any(old.get("environment", {}).get(k) != env.get(k) for k in ("git_revision", "gpu")):
+        return payload
+    return merge_runs(old, payload)
+
+
 def _ints(text: str) -> tuple:
     return tuple(int(v) for v in text.split(","))
 
@@ -292,6 +312,9 @@ def main(argv=None) -> int:
     parser.add_argument("--l2", choices=("flushed", "warm"), default="flushed")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="output JSON (default results/<gpu>/backward.json)")
+    parser.add_argument("--merge", action="store_true",
+                        help="merge these shapes into the recording there (same revision, GPU "
+                             "and settings) instead of replacing it")
     args = parser.parse_args(argv)
     wanted = args.shapes.split(",")
     if unknown := [s for s in wanted if s not in names]:
@@ -306,8 +329,11 @@ def main(argv=None) -> int:
     payload = run(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm")), chunks=args.chunks,
                   modes=modes, l2=args.l2, reps=args.reps)
     payload["environment"] = env
+    path = Path(args.out or RESULTS / gpu_slug(env) / "backward.json")
+    if args.merge:
+        payload = merged(path, payload)
     print(table(payload))
-    path = write_json(args.out or RESULTS / gpu_slug(env) / "backward.json", payload)
+    write_json(path, payload)
     print(f"[backward_bench] wrote {path}")
     return 0
 

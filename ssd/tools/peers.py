@@ -1,12 +1,11 @@
 """The implementations we measure against, loaded without their packaging getting in the way.
 
 * mamba_ssm's Triton SSD, ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined``, and
-  its decode step, ``mamba_ssm.ops.triton.selective_state_update.selective_state_update``.
-  mamba_ssm 2.3.2.post1's package ``__init__`` imports its compiled CUDA extension
-  (``selective_scan_cuda``) and fails wherever that was not built, although the Triton kernels
-  need none of it. :func:`mamba_ssm_forward` and :func:`mamba_ssm_state_update` then register a
-  bare ``mamba_ssm`` package whose ``__path__`` points at the installed sources, and import
-  only the Triton submodule.
+  its decode step, ``mamba_ssm.ops.triton.selective_state_update.selective_state_update``
+  (:func:`mamba_ssm_forward`, :func:`mamba_ssm_state_update`: the layer's backend loader,
+  :mod:`ssd.mamba_ssm_loader`, re-exported here), with the configurations its autotuner chose.
+* mamba_ssm's own Mamba-2 module, ``mamba_ssm.modules.mamba2.Mamba2`` (:func:`mamba_ssm_mixer`),
+  the peer of the whole layer, and which conv and norm it runs here.
 * TileGym's cuTile Mamba-2, ``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, a, b, c, d,
   dt, init_state, chunk_size)``: dt already positive (no bias, no softplus), D per head,
   initial state required, sequence length a multiple of the chunk size. Autotuning is on
@@ -16,53 +15,89 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import importlib.util
 import os
 import sys
 import types
 
+from ..mamba_ssm_loader import (PeerUnavailable, mamba_ssm_forward, mamba_ssm_module,
+                                mamba_ssm_state_update)
 
-class PeerUnavailable(ImportError):
-    """A peer implementation is not installed or cannot be imported here."""
+__all__ = ["PeerUnavailable", "mamba_ssm_forward", "mamba_ssm_state_update", "MAMBA2_MODULE",
+           "mamba_ssm_mixer", "mamba_ssm_mixer_ssd", "retune_mamba_ssm", "mamba_ssm_configs",
+           "tilegym_configs", "tilegym_replaying", "mamba_ssm_version", "tilegym_forward",
+           "tilegym_adapter"]
 
 
-def _mamba_ssm_triton(module: str, name: str):
-    """``name`` from mamba_ssm's Triton submodule ``mamba_ssm.ops.triton.<module>``."""
-    qualified = f"mamba_ssm.ops.triton.{module}"
+#: mamba_ssm's Mamba-2 module, the peer of the whole layer.
+MAMBA2_MODULE = "mamba_ssm.modules.mamba2"
+#: The parameters ``ssd.layer.Mamba2Mixer`` and mamba_ssm's ``Mamba2`` share, by the same names.
+_MIXER_PARAMETERS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
+                     "norm.weight", "out_proj.weight")
+_NORM = "Triton gated RMSNorm (mamba_ssm.ops.triton.layernorm_gated)"
+
+
+def mamba_ssm_mixer(mixer):
+    """mamba_ssm's own ``Mamba2`` module with the sizes and weights of ``mixer`` (an
+    ``ssd.layer.Mamba2Mixer``), on its device, for inference, and the path it takes here.
+
+    ``Mamba2`` fuses the conv, the SSD and the gated norm into one call
+    (``mamba_split_conv1d_scan_combined``, its default ``use_mem_eff_path``) only where the
+    ``causal_conv1d`` package's CUDA conv loads; elsewhere it is built with
+    ``use_mem_eff_path=False``: its conv is ``causal_conv1d_fn`` if that loads, else
+    ``nn.Conv1d`` over the transposed xBC and a SiLU, then its Triton SSD and its Triton gated
+    RMSNorm. A_log, dt_bias, D and the norm weight stay in fp32 as ours (mamba_ssm would round
+    A_log and dt_bias to the model dtype), so both modules compute the same function.
+
+    Returns:
+        (module, path): ``path`` = dict(fused, conv, norm, ssd) saying what runs.
+    Raises:
+        PeerUnavailable: mamba_ssm (or its module's imports: einops, huggingface_hub) is
+            missing, or its Mamba2 names its parameters otherwise.
+    """
+    import torch
+
+    module = mamba_ssm_module(MAMBA2_MODULE)
+    combined = mamba_ssm_module("mamba_ssm.ops.triton.ssd_combined")
+    fused = getattr(combined, "causal_conv1d_fwd_function", None) is not None
+    cfg, weight = mixer.config, mixer.in_proj.weight
+    peer = module.Mamba2(d_model=cfg.d_model, d_state=cfg.d_state, d_conv=cfg.d_conv,
+                         expand=cfg.expand, headdim=cfg.headdim, ngroups=cfg.ngroups,
+                         chunk_size=mixer.ssd.chunk_size, dt_limit=mixer.ssd.dt_limit,
+                         use_mem_eff_path=fused, device=weight.device, dtype=weight.dtype)
+    ours, theirs = mixer.state_dict(), dict(peer.named_parameters())
+    if set(theirs) != set(_MIXER_PARAMETERS):
+        raise PeerUnavailable(f"mamba_ssm's Mamba2 has the parameters {sorted(theirs)}, expected "
+                              f"{sorted(_MIXER_PARAMETERS)}: another mamba_ssm version?")
+    with torch.no_grad():
+        for name, param in theirs.items():
+            param.data = ours[name].detach().clone()  # ours' dtype: fp32 for the small ones
+    peer.requires_grad_(False).eval()
+    # Said without apostrophes: the book pastes these strings into its prose.
+    if fused:
+        conv = ("the CUDA conv of causal_conv1d inside mamba_split_conv1d_scan_combined (conv, "
+                "SSD and gated norm in one call)")
+    elif getattr(module, "causal_conv1d_fn", None) is not None:
+        conv = "causal_conv1d_fn (the CUDA conv of the causal_conv1d package)"
+    else:
+        conv = "nn.Conv1d over transposed xBC, then SiLU (causal_conv1d not installed)"
+    return peer, dict(fused=fused, conv=conv, norm=_NORM,
+                      ssd="Triton mamba_chunk_scan_combined" + (" (inside the fused call)"
+                                                                if fused else ""))
+
+
+@contextlib.contextmanager
+def mamba_ssm_mixer_ssd(fn):
+    """Inside the block mamba_ssm's unfused ``Mamba2`` forward calls ``fn`` (the signature of
+    ``mamba_chunk_scan_combined``) for its SSD: to capture the tensors it passes, or to time it
+    without its SSD. The fused path (``mamba_split_conv1d_scan_combined``) is not affected."""
+    module = mamba_ssm_module(MAMBA2_MODULE)
+    saved = module.mamba_chunk_scan_combined
+    module.mamba_chunk_scan_combined = fn
     try:
-        return getattr(importlib.import_module(qualified), name)
-    except ImportError as first:
-        spec = importlib.util.find_spec("mamba_ssm") if "mamba_ssm" not in sys.modules else None
-        if spec is None and "mamba_ssm" not in sys.modules:
-            raise PeerUnavailable(
-                "mamba_ssm is not installed: `pip install mamba-ssm --no-build-isolation` "
-                "(its Triton kernels need only torch and triton; set MAMBA_SKIP_CUDA_BUILD=TRUE "
-                "to skip the CUDA extension)") from first
-        # The package __init__ failed (no CUDA extension): drop the half-imported modules and
-        # stand in a bare package so that only the pure-Triton submodules are imported.
-        path = (spec.submodule_search_locations if spec is not None
-                else sys.modules["mamba_ssm"].__path__)
-        for loaded in [m for m in sys.modules if m == "mamba_ssm" or m.startswith("mamba_ssm.")]:
-            del sys.modules[loaded]
-        bare = types.ModuleType("mamba_ssm")
-        bare.__path__ = list(path)
-        sys.modules["mamba_ssm"] = bare
-        try:
-            return getattr(importlib.import_module(qualified), name)
-        except ImportError as exc:
-            raise PeerUnavailable(f"mamba_ssm's Triton {module} cannot be imported: {exc}") from exc
-
-
-def mamba_ssm_forward():
-    """Return mamba_ssm's Triton ``mamba_chunk_scan_combined`` (same signature as ours)."""
-    return _mamba_ssm_triton("ssd_combined", "mamba_chunk_scan_combined")
-
-
-def mamba_ssm_state_update():
-    """Return mamba_ssm's Triton ``selective_state_update``, the decode step (same signature as
-    :func:`ssd.selective_state_update` without its keyword-only arguments)."""
-    return _mamba_ssm_triton("selective_state_update", "selective_state_update")
+        yield
+    finally:
+        module.mamba_chunk_scan_combined = saved
 
 
 def _mamba_ssm_autotuners():
