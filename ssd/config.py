@@ -292,11 +292,13 @@ class CumsumBackwardConfig:
 class StateBackwardConfig:
     """chunk_state's backward (:mod:`ssd.kernels.chunk_state_backward`): a block walks one
     chunk ``block_s`` positions at a time, its products over ``block_p`` channels and
-    ``block_n`` state entries a tile (both clamped to the problem)."""
+    ``block_n`` state entries a tile (both clamped to the problem). Untimed: 32 x 32 state
+    tiles because at 64 x 64 both kernels compile for sm_90 to about 3 KB of stack a thread
+    (spilled fp32 tiles), at 32 x 32 to under 0.4 KB (p 64, n 128, chunk 256)."""
 
     block_s: int = 64
-    block_p: int = 64
-    block_n: int = 64
+    block_p: int = 32
+    block_n: int = 32
 
     def __post_init__(self):
         for name in ("block_s", "block_p", "block_n"):
