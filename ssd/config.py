@@ -150,6 +150,33 @@ class ScanConfig:
 
 
 @dataclass(frozen=True)
+class ScanBackwardConfig:
+    """chunk_scan's backward (:mod:`ssd.kernels.chunk_scan_backward`). Its two diagonal-block
+    kernels cut a chunk into square ``block_q`` x ``block_q`` tiles (rows t, columns s: the
+    diagonal tile of row block i is column block i), and a block owns one row block or one column
+    block of one chunk for every head of one group. The entering states' gradient, a chunk_state
+    of (dy, C), reads ``block_k`` positions a step and owns ``block_n`` state columns a block.
+    ``occupancy`` as in StateConfig. Untimed defaults."""
+
+    block_q: int = 64
+    block_k: int = 64
+    block_n: int = 64
+    occupancy: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_n"):
+            _check_pow2(name, getattr(self, name))
+        _check_hints(self)
+
+    def for_problem(self, chunk_size: int, dstate: int) -> "ScanBackwardConfig":
+        """The tiles clamped to the chunk (``block_q``, ``block_k``) and to the state padded to a
+        power of two (``block_n``)."""
+        return replace(self, block_q=min(self.block_q, chunk_size),
+                       block_k=min(self.block_k, chunk_size),
+                       block_n=min(self.block_n, next_pow2(dstate)))
+
+
+@dataclass(frozen=True)
 class FusedScanConfig:
     """Stages 2 and 3 in one kernel (:mod:`ssd.kernels.fused_scan`): where ``enabled``, one block per
     (batch, head, ``block_p`` channels) walks its sequence's chunks and writes their output rows

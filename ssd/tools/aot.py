@@ -188,6 +188,36 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     return records
 
 
+# The chunk_scan backward's feature sets: "none" (dy, B, C, x and the forward's intermediates)
+# and "all" (with seq_idx and the y_ssm the z gate's gradient needs rebuilt).
+BACKWARD_FEATURES = ("none", "all")
+
+
+def capture_backward(dtype: str, features: str, chunk_size: int = 256, dims=None, config=None):
+    """Run chunk_scan's backward launcher (:func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`:
+    its columns, rows and states kernels) on empty CPU tensors and return the recorded launches.
+    ``dims`` (b, l, h, p, n, g) replaces the default: a ragged last chunk, two groups of two
+    heads; inputs in ``dtype``, the entering states too; ``config`` a ScanBackwardConfig."""
+    import torch
+
+    from ..config import ScanBackwardConfig
+    from ..kernels.chunk_scan_backward import chunk_scan_backward
+
+    if features not in BACKWARD_FEATURES:
+        raise ValueError(f"features: expected one of {BACKWARD_FEATURES}, got {features!r}")
+    t = getattr(torch, dtype)
+    b, l, h, p, n, g = dims or (2, chunk_size + chunk_size // 2, 4, 64, 128, 2)
+    c = -(-l // chunk_size)
+    seq_idx = torch.zeros(b, l, dtype=torch.int32) if features == "all" else None
+    with launch.capture() as records:
+        chunk_scan_backward(torch.empty(b, l, h, p, dtype=t), torch.empty(b, l, g, n, dtype=t),
+                            torch.empty(b, l, g, n, dtype=t), torch.empty(b, l, h, p, dtype=t),
+                            torch.empty(b, h, c, chunk_size), torch.empty(b, h, c, chunk_size),
+                            torch.empty(b, c, h, p, n, dtype=t), seq_idx=seq_idx,
+                            config=config or ScanBackwardConfig(), rebuild_y=features == "all")
+    return records
+
+
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
     each packed sequence's final state, the decode step and the layer's conv and norm
