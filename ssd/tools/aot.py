@@ -220,8 +220,8 @@ def capture_backward(dtype: str, features: str, chunk_size: int = 256, dims=None
 
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
-    each packed sequence's final state, the decode step and the layer's conv and norm
-    (:func:`capture_layer`), for each arch."""
+    each packed sequence's final state, chunk_scan's backward (:func:`capture_backward`), the
+    decode step and the layer's conv and norm (:func:`capture_layer`), for each arch."""
     from ..config import FusedScanConfig, SSDConfig
 
     done, seen = [], set()
@@ -239,6 +239,9 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) 
                 # its kernel alone (the others of that call are batch-of-one forms of the above)
                 records += [r for r in capture_forward(dtype, "varlen", True)
                             if r.kernel._pyfunc.__name__ == "chunk_state_varlen_kernel"]
+                # chunk_scan's backward (its three kernels) with every feature: the feature set
+                # "none" turns branches off by constants, so it compiles a subset of this code
+                records += capture_backward(dtype, "all")
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,
                                        True, 64, config=one_kernel)
