@@ -105,11 +105,12 @@ def pair_keep(t_pos, s_pos, seq_t, seq_s, HAS_SEQ):
 
 
 def masked_decay(seg, keep):
-    """Tile code: 2^seg (``seg`` = a_t - a_s in log2 units) where ``keep``, exactly 0 elsewhere.
-    The exponent is masked, not the product: above the diagonal a_t - a_s > 0 and its exp2 could
-    overflow to inf, and inf * 0 = NaN. Decays below 2^-126 flush to zero (invisible in the fp32
-    sums, as in the forward)."""
-    return ct.exp2(ct.where(keep, seg, -float("inf")), flush_to_zero=True)
+    """Tile code: e^seg (``seg`` = a_t - a_s) where ``keep``, exactly 0 elsewhere. The difference
+    is taken before the scaling to log2 units, so that its rounding is relative to the difference
+    and not to dA_cumsum, which grows along the chunk. The exponent is masked, not the product:
+    above the diagonal a_t - a_s > 0 and its exp2 could overflow to inf, and inf * 0 = NaN.
+    Decays below 2^-126 flush to zero (invisible in the fp32 sums, as in the forward)."""
+    return ct.exp2(ct.where(keep, seg * LOG2E, -float("inf")), flush_to_zero=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,7 +136,7 @@ def column_block(ib, ic, ig, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB
         db = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [S, N], the group's heads summed
         for j in range(heads_per_group):
             ih = ig * heads_per_group + j
-            a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q) * LOG2E  # [S], log2 units
+            a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q)  # [S]
             dt_s = chunk_row(dt_out, ib, ih, ic, js, BLOCK_Q)  # [S]
             x_s = rows_of(x, ib, cols, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [S, P]
             dxs = ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32)  # [S, P]
@@ -145,7 +146,7 @@ def column_block(ib, ic, ig, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB
                 rows = ic * q_tiles + it
                 c_t = rows_of(C, ib, rows, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [T, N]
                 dy_t = rows_of(dy, ib, rows, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [T, P]
-                a_t = chunk_row(dA_cumsum, ib, ih, ic, it, BLOCK_Q) * LOG2E  # [T]
+                a_t = chunk_row(dA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T]
                 seq_t = seq_s
                 if HAS_SEQ:
                     seq_t = sequence_ids(seq_idx, ib, rows, BLOCK_Q)
@@ -201,13 +202,13 @@ def row_block(ib, ic, ig, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_i
         dc = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [T, N], the group's heads summed
         for j in range(heads_per_group):
             ih = ig * heads_per_group + j
-            a_t = chunk_row(dA_cumsum, ib, ih, ic, it, BLOCK_Q) * LOG2E  # [T], log2 units
+            a_t = chunk_row(dA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T]
             dy_f = rows_of(dy, ib, rows, ih, 0, BLOCK_Q, P_PAD, ct.float32)  # [T, P]
             dy_t = dy_f.astype(x.dtype)  # the MMA operand
 
             # The entering state's term e^{a_t} C_t . P_c: dC_t += e^{a_t} dy_t P_c and
             # da_t += e^{a_t} dy_t . (C_t P_cᵀ)
-            decay_in = ct.exp2(a_t)  # [T], <= 1 (a_t <= 0)
+            decay_in = ct.exp2(a_t * LOG2E)  # [T], <= 1 (a_t <= 0)
             if HAS_SEQ:
                 decay_in = ct.where(enters, decay_in, 0.0)
             prev = ct.load(prev_states, index=(ib, ic, ih, 0, 0), shape=(1, 1, 1, P_PAD, N_PAD),
@@ -224,7 +225,7 @@ def row_block(ib, ic, ig, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_i
                 cols = ic * q_tiles + js
                 b_s = rows_of(B, ib, cols, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [S, N]
                 x_s = rows_of(x, ib, cols, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [S, P]
-                a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q) * LOG2E  # [S]
+                a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q)  # [S]
                 dt_s = chunk_row(dt_out, ib, ih, ic, js, BLOCK_Q)  # [S]
                 seq_s = seq_t
                 if HAS_SEQ:
@@ -529,13 +530,15 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     if seq_idx is not None:
         seq_last = chunk_seq_last(seq_idx, dims["q"])
         seq_idx = seq_idx.to(torch.int32).contiguous()
-    # dy through the gate: the same product _skip_and_gate_backward forms below
-    dy_f = dy.to(f)
-    dy_ssm = dy if z is None else dy_f * z.to(f) * torch.sigmoid(z.to(f))
+    # dy through the gate, dy silu(z): the product _skip_and_gate_backward forms below
+    zf = None if z is None else z.to(f)
+    dy_ssm = dy if z is None else dy.to(f) * zf * torch.sigmoid(zf)
     out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
                               config or ScanBackwardConfig(), rebuild_y=z is not None)
+    if D is None and z is None:
+        return out
     y_ssm = out.pop("y_ssm", None)
-    _, dx_skip, dD, dz = _skip_and_gate_backward(dy_f, lambda: y_ssm, x.to(f), D, z)
+    _, dx_skip, dD, dz = _skip_and_gate_backward(dy.to(f), lambda: y_ssm, x.to(f), D, z)
     if dx_skip is not None:
         out["dx"] += dx_skip
     if dD is not None:
