@@ -178,7 +178,8 @@ def assert_close(got, want, name):
     got, want = np.asarray(got, dtype=np.float64), np.asarray(want, dtype=np.float64)
     assert np.isfinite(got).all(), f"{name}: an element no kernel writes"
     scale = max(1.0, float(np.abs(want).max(initial=0.0)))  # ddA_cumsum at l = 1 is 0
-    assert np.abs(got - want).max() <= RTOL * scale, f"{name}: max error {np.abs(got - want).max():.2e}"
+    error = float(np.abs(got - want).max(initial=0.0))
+    assert error <= RTOL * scale, f"{name}: max error {error:.2e}"
 
 
 # The chunk of one 16- or 32-row tile (the edge shapes), chunks of several tiles (small tiles,

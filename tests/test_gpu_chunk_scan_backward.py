@@ -154,8 +154,8 @@ def test_matches_numpy_reference(name, gpu_record):
     from ssd import reference_backward as RB
 
     def numpy_reference(args):
-        host = {k: None if v is None else as_float64(v) if v.is_floating_point() else v.cpu().numpy()
-                for k, v in args.items()}
+        host = {k: None if v is None else as_float64(v) if v.is_floating_point()
+                else v.cpu().numpy() for k, v in args.items()}
         return RB.chunk_scan_backward(host.pop("dy"), **host)
 
     check(SHAPES[name], "float32", gpu_record, f"chunk_scan/numpy/{name}",

@@ -245,7 +245,8 @@ def row_block(ib, ic, ig, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_i
                     y = ct.mma((cb * ldt).astype(x.dtype), x_s, y)  # [T, P] += W x
 
             col = chunk_row(ddA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T] the column part
-            ct.store(ddA_cumsum, index=(ib, ih, ic, it), tile=(col + dda).reshape((1, 1, 1, BLOCK_Q)))
+            ct.store(ddA_cumsum, index=(ib, ih, ic, it),
+                     tile=(col + dda).reshape((1, 1, 1, BLOCK_Q)))
             if REBUILD_Y:
                 ct.store(y_ssm, index=(ib, rows, ih, 0), tile=y.reshape((1, BLOCK_Q, 1, P_PAD)))
         ct.store(dC, index=(ib, rows, ig, 0), tile=dc.reshape((1, BLOCK_Q, 1, N_PAD)))
@@ -459,10 +460,10 @@ def check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, se
         if name in ("dt_out", "dA_cumsum"):
             allowed = (torch.float32,)  # stage 1's outputs, as the forward stores them
         if t.dtype not in allowed:
-            kind = ("float64 is the PyTorch backward's (ssd.backward.chunk_scan_backward_torch)"
+            hint = (" (float64 is the PyTorch backward's: ssd.backward.chunk_scan_backward_torch)"
                     if t.dtype == torch.float64 and name not in ("dt_out", "dA_cumsum") else "")
             raise ValueError(f"{name}: dtype {t.dtype} is not supported; expected one of "
-                             f"{', '.join(str(d) for d in allowed)}" + (f" ({kind})" if kind else ""))
+                             f"{', '.join(str(d) for d in allowed)}{hint}")
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"dy: expected x's shape (b, l, h, p) = {tuple(x.shape)}, "
                          f"got {tuple(dy.shape)}")
@@ -547,6 +548,3 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
         out["dz"] = dz
     return out
 
-
-__all__ = ["chunk_scan_backward", "chunk_scan_backward_cutile", "check_inputs", "build_kernels",
-           "MAX_HEADDIM"]

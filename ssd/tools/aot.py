@@ -194,10 +194,11 @@ BACKWARD_FEATURES = ("none", "all")
 
 
 def capture_backward(dtype: str, features: str, chunk_size: int = 256, dims=None, config=None):
-    """Run chunk_scan's backward launcher (:func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`:
-    its columns, rows and states kernels) on empty CPU tensors and return the recorded launches.
-    ``dims`` (b, l, h, p, n, g) replaces the default: a ragged last chunk, two groups of two
-    heads; inputs in ``dtype``, the entering states too; ``config`` a ScanBackwardConfig."""
+    """Run chunk_scan's backward launcher (its columns, rows and states kernels,
+    :func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`) on empty CPU tensors and return
+    the recorded launches. ``dims`` (b, l, h, p, n, g) replaces the default shape (a ragged last
+    chunk, two groups of two heads); inputs in ``dtype``, the entering states too; ``config`` a
+    ScanBackwardConfig (None: its defaults)."""
     import torch
 
     from ..config import ScanBackwardConfig
