@@ -72,9 +72,13 @@ def test_config_rejects_bad_values(kwargs):
         ScanBackwardConfig(**kwargs)
 
 
-def test_config_is_clamped_to_the_problem():
-    config = ScanBackwardConfig(block_q=64, block_k=64, block_n=64).for_problem(16, 24)
-    assert (config.block_q, config.block_k, config.block_n) == (16, 16, 32)
+@pytest.mark.parametrize("q, n, dtype, tiles", [(16, 24, "bfloat16", (16, 16, 32)),
+                                                (256, 128, "bfloat16", (64, 64, 64)),
+                                                (256, 128, torch.float32, (32, 32, 32)),
+                                                (16, 8, "float32", (16, 16, 8))])
+def test_config_is_fitted_to_the_problem(q, n, dtype, tiles):
+    config = ScanBackwardConfig().for_problem(q, n, dtype)
+    assert (config.block_q, config.block_k, config.block_n) == tiles
 
 
 # ---- the tile code with NumPy in place of cuda.tile -----------------------------------------

@@ -383,7 +383,8 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         dt_out, dA_cumsum: (b, h, c, q) fp32; prev_states: (b, c, h, p, n), fp32, bf16 or fp16.
         seq_idx: optional (b, l) int32; seq_last: its (b, c) int32 value at each chunk's last
             valid position (:func:`ssd.api.chunk_seq_last`; None computes it).
-        config: the tiles, clamped to the problem here (:meth:`ScanBackwardConfig.for_problem`).
+        config: the tiles, fitted to the problem and x's dtype here
+            (:meth:`ScanBackwardConfig.for_problem`).
         rebuild_y: also return y's SSM part, y_ssm (b, l, h, p) fp32 (the gate's gradient reads
             it).
     Returns:
@@ -396,7 +397,7 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     g, n = B.shape[2], B.shape[3]
     _, _, nchunks, q = dt_out.shape
     dev, f = x.device, torch.float32
-    config = config.for_problem(q, n)
+    config = config.for_problem(q, n, x.dtype)
     out = dict(dB=torch.empty((b, l, g, n), dtype=f, device=dev),
                dC=torch.empty((b, l, g, n), dtype=f, device=dev),
                dx=torch.empty((b, l, h, p), dtype=f, device=dev),
