@@ -486,15 +486,15 @@ TORCH_BACKWARDS = StageBackwards(chunk_scan_backward_torch, state_passing_backwa
 
 
 def cutile_backwards() -> StageBackwards:
-    """The cuTile kernels where one exists (``ssd.kernels.<stage>_backward``), PyTorch for the
-    others (chunk_scan). Imported on call: the CPU path needs no cuTile."""
+    """Every stage's cuTile kernels (``ssd.kernels.<stage>_backward``). Imported on call: the
+    CPU path needs no cuTile."""
     from .kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
+    from .kernels.chunk_scan_backward import chunk_scan_backward_cutile
     from .kernels.chunk_state_backward import chunk_state_backward_cutile
     from .kernels.state_passing_backward import state_passing_backward_cutile
 
-    return TORCH_BACKWARDS._replace(state_passing=state_passing_backward_cutile,
-                                    chunk_state=chunk_state_backward_cutile,
-                                    chunk_cumsum=chunk_cumsum_backward_cutile)
+    return StageBackwards(chunk_scan_backward_cutile, state_passing_backward_cutile,
+                          chunk_state_backward_cutile, chunk_cumsum_backward_cutile)
 
 
 def default_backwards(x: torch.Tensor) -> StageBackwards:

@@ -189,20 +189,23 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
 
 
 # The backward's feature sets: "none" (no optional input; dt_out recomputed in the kernel) and
-# "all" (dt_bias, softplus, a clamp, initial states, dfinal_states, seq_idx, the saved dt_out).
+# "all" (dt_bias, softplus, a clamp, initial states, dfinal_states, seq_idx, the saved dt_out, and
+# the SSM part of y that the z gate's gradient needs, rebuilt by chunk_scan's backward).
 BACKWARD_FEATURES = ("none", "all")
 
 
 def capture_backward(dtype: str, features: str):
     """Run the launchers of the backward's cuTile stages (``ssd.kernels.<stage>_backward``:
-    state_passing, chunk_state, chunk_cumsum, in the order the backward calls them) on small
-    CPU tensors and return the recorded launches: x, B, dt and the saved entering states in
-    ``dtype``, as the forward leaves them; the upstream gradients, dt_out and dA_cumsum fp32. The
-    shape is the forward's (:func:`capture_forward`): chunk 256, a ragged last chunk, two groups
-    of four heads."""
+    chunk_scan, state_passing, chunk_state, chunk_cumsum, in the order the backward calls them)
+    on small CPU tensors and return the recorded launches: x, B, C, dt and the saved entering
+    states in ``dtype``, as the forward leaves them; the upstream gradients, dt_out and dA_cumsum
+    fp32. The shape is the forward's (:func:`capture_forward`): chunk 256, a ragged last chunk,
+    two groups of four heads."""
     import torch
 
+    from ..config import ScanBackwardConfig
     from ..kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
+    from ..kernels.chunk_scan_backward import chunk_scan_backward
     from ..kernels.chunk_state_backward import chunk_state_backward_cutile
     from ..kernels.state_passing_backward import state_passing_backward_cutile
 
@@ -216,6 +219,10 @@ def capture_backward(dtype: str, features: str):
     seq_idx = torch.zeros(b, l, dtype=torch.int32) if every else None
     dt_out = torch.rand(b, h, c, q)
     with launch.capture() as records:
+        chunk_scan_backward(torch.randn(b, l, h, p), torch.randn(b, l, g, n, dtype=t),
+                            torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
+                            dt_out, -torch.rand(b, h, c, q), torch.randn(b, c, h, p, n, dtype=t),
+                            seq_idx=seq_idx, config=ScanBackwardConfig(), rebuild_y=every)
         passing = state_passing_backward_cutile(
             torch.randn(b, c, h, p, n), torch.randn(b, c, h, p, n, dtype=t),
             -torch.rand(b, h, c, q), torch.randn(b, h, p, n) if every else None, seq_idx,
@@ -255,7 +262,8 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) 
                 records += [r for r in capture_forward(dtype, "varlen", True)
                             if r.kernel._pyfunc.__name__ == "chunk_state_varlen_kernel"]
                 # the backward's stage kernels with every option on (the options' flags only
-                # take code out: the bare forms cost compile time and risk little)
+                # take code out: the bare forms cost compile time and risk little; the GPU tests
+                # compile every feature set on sm_90)
                 records += capture_backward(dtype, "all")
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,
