@@ -8,7 +8,7 @@ failure; ``SSD_TEST_SEED`` replays one): x, z, B, C and dy in the dtype under te
 dA_cumsum in fp32 as stage 1 stores them, the entering states in the dtype under test as the
 default stage 2 stores them (fp32 in one test), all from the float64 forward reference.
 Memory is poisoned: every ``torch.empty`` returns NaN-filled memory (the kernels' output buffers
-among them, ``poisoned_memory`` of tests/test_gpu_backward.py), so an element no kernel writes
+among them, ``ssd.validate.poisoned_memory``), so an element no kernel writes
 fails the check.
 
 Every gradient is checked by both criteria of ``ssd.validate.check_gradient`` (the norm within
@@ -39,7 +39,7 @@ from ssd.config import ScanBackwardConfig  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPE_NAMES, as_float64, check_gradient, device_inputs,  # noqa: E402
                           reference_of)
-from test_gpu_backward import poisoned_memory  # noqa: E402  (NaN-filled torch.empty)
+from ssd.validate import poisoned_memory  # noqa: E402  (NaN-filled torch.empty)
 
 pytestmark = pytest.mark.gpu
 
