@@ -9,8 +9,8 @@ returning the same dict of gradients; a cuTile kernel stands behind the same bou
 
 composed in reverse stage order by :func:`ssd_chunked_backward`, which takes each stage's
 implementation from one :class:`StageBackwards` table: :data:`TORCH_BACKWARDS` on the CPU (and
-for float64), :func:`cutile_backwards` on a GPU (the cuTile kernels where one exists; chunk_scan's
-backward is PyTorch); :func:`ssd_chunked_backward_torch` is the composition of the PyTorch
+for float64), :func:`cutile_backwards` on a GPU (every stage's cuTile kernels);
+:func:`ssd_chunked_backward_torch` is the composition of the PyTorch
 stages alone. The derivation is the module docstring of ``ssd.reference_backward``; the code
 below follows it line for line, batched over chunks, heads and the batch with einsums (one bmm
 each), on any device.
