@@ -149,6 +149,44 @@ class ScanConfig:
             raise ValueError(f"block_s: must divide block_m={self.block_m}, got {self.block_s}")
 
 
+# fp32 operands take twice the registers of 16-bit ones: at chunk 256 (p 64, n 128) on sm_90 the
+# chunk_scan backward's rows kernel spills 13 KB a thread with 64-row tiles and compiles in 27 s
+# (263 s at p 128, n 256); with 32-row tiles it spills 3 KB and compiles in 6 s (ssd.tools.aot,
+# cuobjdump of the cubins).
+SCAN_BACKWARD_FP32_TILE = 32
+
+
+@dataclass(frozen=True)
+class ScanBackwardConfig:
+    """chunk_scan's backward (:mod:`ssd.kernels.chunk_scan_backward`). Its two diagonal-block
+    kernels cut a chunk into square ``block_q`` x ``block_q`` tiles (rows t, columns s: the
+    diagonal tile of row block i is column block i), and a block owns one row block or one column
+    block of one chunk for every head of one group. The entering states' gradient, a chunk_state
+    of (dy, C), reads ``block_k`` positions a step and owns ``block_n`` state columns a block.
+    ``occupancy`` as in StateConfig. Untimed defaults; fp32 inputs take smaller tiles
+    (:meth:`for_problem`)."""
+
+    block_q: int = 64
+    block_k: int = 64
+    block_n: int = 64
+    occupancy: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_n"):
+            _check_pow2(name, getattr(self, name))
+        _check_hints(self)
+
+    def for_problem(self, chunk_size: int, dstate: int, input_dtype=None) -> "ScanBackwardConfig":
+        """The tiles clamped to the chunk (``block_q``, ``block_k``) and to the state padded to a
+        power of two (``block_n``); for fp32 inputs (``input_dtype``: a name such as "float32",
+        or a torch dtype) to SCAN_BACKWARD_FP32_TILE as well."""
+        fp32 = str(input_dtype).removeprefix("torch.") == "float32"
+        cap = lambda block: min(block, SCAN_BACKWARD_FP32_TILE) if fp32 else block  # noqa: E731
+        return replace(self, block_q=cap(min(self.block_q, chunk_size)),
+                       block_k=cap(min(self.block_k, chunk_size)),
+                       block_n=cap(min(self.block_n, next_pow2(dstate))))
+
+
 @dataclass(frozen=True)
 class FusedScanConfig:
     """Stages 2 and 3 in one kernel (:mod:`ssd.kernels.fused_scan`): where ``enabled``, one block per
@@ -269,6 +307,54 @@ class GatedNormConfig:
     def block_rows(self, rows: int, group_size: int) -> int:
         """Rows a block takes for ``rows`` rows of groups of ``group_size`` channels."""
         return max(1, min(self.block_elems // next_pow2(group_size), next_pow2(rows)))
+
+
+# --- the backward's stage kernels (ssd.kernels.<stage>_backward); untimed defaults ---
+
+
+@dataclass(frozen=True)
+class CumsumBackwardConfig:
+    """chunk_cumsum's backward (:mod:`ssd.kernels.chunk_cumsum_backward`): one block per
+    (batch, chunk, ``block_h`` heads), as the forward; the second pass sums the per-chunk parts
+    of dA and ddt_bias ``block_rows`` chunks at a time."""
+
+    block_h: int = 8
+    block_rows: int = 64
+
+    def __post_init__(self):
+        _check_pow2("block_h", self.block_h)
+        _check_pow2("block_rows", self.block_rows)
+
+
+@dataclass(frozen=True)
+class StateBackwardConfig:
+    """chunk_state's backward (:mod:`ssd.kernels.chunk_state_backward`): a block walks one
+    chunk ``block_s`` positions at a time, its products over ``block_p`` channels and
+    ``block_n`` state entries a tile (both clamped to the problem). Untimed: 32 x 32 state
+    tiles because at 64 x 64 both kernels compile for sm_90 to about 3 KB of stack a thread
+    (spilled fp32 tiles), at 32 x 32 to under 0.4 KB (p 64, n 128, chunk 256)."""
+
+    block_s: int = 64
+    block_p: int = 32
+    block_n: int = 32
+
+    def __post_init__(self):
+        for name in ("block_s", "block_p", "block_n"):
+            _check_pow2(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class PassingBackwardConfig:
+    """state_passing's backward (:mod:`ssd.kernels.state_passing_backward`): a block owns a
+    ``block_p`` x ``block_n`` slice of one head's state gradient (clamped to the problem) and
+    walks the chunks from last to first, as the forward's walk does from first to last."""
+
+    block_p: int = 64
+    block_n: int = 64
+
+    def __post_init__(self):
+        _check_pow2("block_p", self.block_p)
+        _check_pow2("block_n", self.block_n)
 
 
 # Per-architecture defaults, keyed by compute-capability major. Only 9 (Hopper) is measured.

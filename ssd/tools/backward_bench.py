@@ -2,8 +2,8 @@
 
 For each shape of the models suite (``ssd.tools.bench.SUITES["models"]``: the Mamba-2 layer's SSD
 call, bf16, D per head, dt_bias and softplus; ``bench.make_inputs``), ours
-(``ssd.mamba_chunk_scan_combined``: the cuTile forward inside ``ssd.autograd``, the PyTorch
-backward of ``ssd.backward``) and mamba_ssm's Triton SSD, on the same inputs and the same
+(``ssd.mamba_chunk_scan_combined``: the cuTile forward inside ``ssd.autograd``, the backward
+of ``ssd.backward``: its cuTile stage kernels on a GPU) and mamba_ssm's Triton SSD, on the same inputs and the same
 upstream gradient dy ~ N(0, 1), at each chunk size of ``bench.SUITE_CHUNKS`` (each
 implementation counted at its fastest):
 

@@ -16,7 +16,7 @@ from . import doctor
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "results"
-BOOK_GPU = "h100"  # the GPU whose recordings the book ships (results/h200/)
+BOOK_GPU = "h100"  # the GPU whose recordings the book ships (results/h100/)
 
 
 def _git_revision() -> str | None:
