@@ -65,9 +65,9 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # names it), then execute the GPU chapters so their stored outputs come from the same
 # run. Each part is sized for under ten minutes on a fresh H100 or H200, for machines
 # that cap a command's time:
-#   gpu-check          the GPU tests (gpu_tests.json, gpu_mixer_tests.json,
-#                      gpu_decode_tests.json; one process per core: compiling the
-#                      kernel variants dominates) and first calls
+#   gpu-check          the GPU tests (gpu_tests, gpu_mixer_tests, gpu_decode_tests,
+#                      gpu_backward_tests: .json.gz; one process per core: compiling
+#                      the kernel variants dominates) and first calls
 #   gpu-models-1       the models suite against mamba_ssm and TileGym, some shapes,
 #   gpu-models-2       and the others, merged into one models.json (about two minutes
 #                      a shape, most of it compiling and mamba_ssm's autotuning)
