@@ -20,20 +20,29 @@ import cuda.tile as ct  # noqa: E402
 import tile_emulator as emu  # noqa: E402
 from ssd import backward as TB  # noqa: E402
 from ssd.api import forward_stages  # noqa: E402
-from ssd.config import (CumsumBackwardConfig, PassingBackwardConfig, ScanBackwardConfig,  # noqa: E402
-                        StateBackwardConfig, default_config)
+from ssd import layer_reference as layer_ref  # noqa: E402
+from ssd.config import (Conv1dConfig, CumsumBackwardConfig, GatedNormConfig,  # noqa: E402
+                        PassingBackwardConfig, ScanBackwardConfig, StateBackwardConfig,
+                        StateUpdateConfig, default_config)
+from ssd.kernels import causal_conv1d as CONV  # noqa: E402
 from ssd.kernels import chunk_cumsum_backward as CUMSUM  # noqa: E402
 from ssd.kernels import chunk_scan_backward as SCAN  # noqa: E402
 from ssd.kernels import chunk_state_backward as STATE  # noqa: E402
+from ssd.kernels import gated_rmsnorm as NORM  # noqa: E402
 from ssd.kernels import state_passing_backward as PASSING  # noqa: E402
+from ssd.kernels import state_update as UPDATE  # noqa: E402
 from ssd.launch import capture  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec  # noqa: E402
-from ssd.reference import check_shapes  # noqa: E402
+from ssd.reference import check_shapes, chunk_state_varlen  # noqa: E402
+from ssd.reference import selective_state_update as reference_step  # noqa: E402
 from ssd.validate import poisoned_memory  # noqa: E402
 
 # fp32 arithmetic against float64 references of the same (fp32-rounded) inputs: the emulated
 # MMAs are exact, so what remains is fp32 rounding of elementwise terms and short sums.
 RTOL = 2e-5
+# fp16 MMA operands (weights, dy, entering states rounded to 2^-11) in sums of a few dozen
+# terms: errors up to about 5e-4 of the largest magnitude on these shapes
+FP16_RTOL = 3e-3
 
 SHAPES = {
     "l-less-than-q": EDGE_SHAPES["l-less-than-q"].replace(batch=1, nheads=2),
@@ -48,7 +57,7 @@ SHAPES = {
 }
 
 
-def close(got, want, what):
+def close(got, want, what, rtol=RTOL):
     """``got`` (any float tensor) equals the float64 ``want`` to RTOL of want's largest
     magnitude; NaN (an element no block wrote) fails."""
     got, want = got.double(), want.double()
@@ -56,7 +65,7 @@ def close(got, want, what):
     assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} elements " \
                                       "not written (NaN poison) or not finite"
     err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
-    assert err < RTOL, f"{what}: relative error {err:.2e}"
+    assert err < rtol, f"{what}: relative error {err:.2e}"
 
 
 def problem(name, seed=5):
@@ -252,6 +261,102 @@ def test_forward_stages(name, config):
     for k in ("dt_out", "dA_cumsum", "states", "prev_states", "final_states", "y"):
         if k in got and not (k == "prev_states" and "group_enter" in got):
             close(got[k], ref[k], k)
+
+
+def test_forward_varlen_states():
+    """With cu_seqlens, chunk_state_varlen's final state of every packed sequence."""
+    spec, t, ref, _ = problem("ngroups-2-seq-idx")
+    bounds = (0, 16, 23, 39, spec.seqlen)  # row 0's sequences: seq_boundaries, then the end
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    keys = ("x", "dt", "A", "B", "C", "initial_states", "seq_idx")
+    got = emulated(forward_stages, **{k: t[k] for k in keys}, chunk_size=spec.chunk_size,
+                   config=FORWARD["small-tiles"], cu_seqlens=cu_seqlens)
+    want = chunk_state_varlen(t["B"].double().numpy(), t["x"].double().numpy(),
+                              ref["dt_out"].numpy(), ref["dA_cumsum"].numpy(),
+                              ref["prev_states"].numpy(), np.array(bounds), t["seq_idx"].numpy())
+    close(got["varlen_states"], torch.from_numpy(want), "varlen_states")
+
+
+@pytest.mark.parametrize("config", ["fused-stage-2", "split-stage-2", "fused-scan"])
+def test_fp16_inputs(config, monkeypatch):
+    """fp16 inputs: the MMA operands rounded to x's dtype with fp32 accumulators, and every
+    store's cast explicit where it narrows (the emulator enforces cuTile's dtype rules); values
+    against the float64 references of the fp16 inputs, within fp16 operand rounding."""
+    spec, t, ref, g = problem("l-not-multiple")
+    half = {k: v.half() if v.is_floating_point() and k in ("x", "B", "C", "dt") else v
+            for k, v in t.items()}
+    ref = {k: torch.from_numpy(v) for k, v in spec.reference(
+        {k: v.double().numpy() if v.is_floating_point() else v.numpy()
+         for k, v in half.items()}).items()}
+    got = emulated(forward_stages, half["x"], half["dt"], half["A"], half["B"], half["C"],
+                   spec.chunk_size, config=FORWARD[config])
+    for k in ("dt_out", "dA_cumsum", "final_states", "y"):
+        close(got[k], ref[k], k, rtol=FP16_RTOL)
+    monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
+    want = TB.chunk_scan_backward_torch(g["dy"], *(half[k].double() for k in ("B", "C", "x")),
+                                        ref["dt_out"], ref["dA_cumsum"], ref["prev_states"])
+    got = emulated(SCAN.chunk_scan_backward_cutile, g["dy"].half(), half["B"], half["C"],
+                   half["x"], ref["dt_out"].float(), ref["dA_cumsum"].float(),
+                   ref["prev_states"].half(), config=SMALL_BACKWARD["scan"])
+    for k in want:
+        close(got[k], want[k], k, rtol=FP16_RTOL)
+
+
+# --- the layer's conv and norm, the decode step -----------------------------------------------
+
+
+@pytest.mark.parametrize("block", [8, 64])
+def test_causal_conv1d(block):
+    rng = np.random.default_rng(7)
+    b, l, c, w = 2, 21, 12, 4
+    x, weight, bias = (torch.from_numpy(rng.standard_normal(s)).float()
+                       for s in ((b, l, c), (c, w), (c,)))
+    init = torch.from_numpy(rng.standard_normal((b, c, w - 1))).float()
+    seq_idx = torch.tensor([[0] * 9 + [1] * 12, [0] * 20 + [1]], dtype=torch.int32)
+    for options in (dict(), dict(bias=bias, seq_idx=seq_idx, initial_states=init)):
+        got = emulated(CONV.causal_conv1d, x, weight, **options,
+                       config=Conv1dConfig(block_l=block, block_c=block))
+        want = layer_ref.causal_conv1d(*(v.double().numpy() if v.is_floating_point() else
+                                         v.numpy() for v in (x, weight)),
+                                       **{k: v.double().numpy() if v.is_floating_point() else
+                                          v.numpy() for k, v in options.items()})
+        close(got, torch.from_numpy(want), f"conv {sorted(options)}")
+
+
+@pytest.mark.parametrize("group_size", [4, 6])
+def test_gated_rmsnorm(group_size):
+    rng = np.random.default_rng(8)
+    y, z = (torch.from_numpy(rng.standard_normal((3, 5, 12))).float() for _ in range(2))
+    weight = torch.from_numpy(rng.standard_normal(12)).float()
+    got = emulated(NORM.gated_rmsnorm, y, z, weight, group_size, 1e-5,
+                   config=GatedNormConfig(block_elems=16))
+    want = layer_ref.gated_rmsnorm(*(v.double().numpy() for v in (y, z, weight)), group_size,
+                                   1e-5)
+    close(got, torch.from_numpy(want), "gated_rmsnorm")
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_state_update(per_head):
+    """The decode step: y and the state rows it advances in place (a padding entry, -1, touches
+    none)."""
+    rng = np.random.default_rng(9)
+    b, h, p, n, g, slots = 3, 4, 12, 8, 2, 5
+    f = lambda *s: torch.from_numpy(rng.standard_normal(s)).float()  # noqa: E731
+    state, x, B, C, z = f(slots, h, p, n), f(b, h, p), f(b, g, n), f(b, g, n), f(b, h, p)
+    dt, A, D, bias = ((f(b, h), -f(h).abs(), f(h), f(h)) if per_head else
+                      (f(b, h, p), -f(h, p, n).abs(), f(h, p), f(h, p)))
+    rows = torch.tensor([4, -1, 1], dtype=torch.int32)
+    args = dict(D=D, z=z, dt_bias=bias, dt_softplus=True, state_batch_indices=rows,
+                dt_limit=(0.0, 5.0))
+    want_y, want_state = reference_step(*(v.double().numpy() for v in (state, x, dt, A, B, C)),
+                                        **{k: v.double().numpy() if torch.is_tensor(v) and
+                                           v.is_floating_point() else
+                                           v.numpy() if torch.is_tensor(v) else v
+                                           for k, v in args.items()})
+    got = emulated(UPDATE.state_update, state, x, dt, A, B, C, **args,
+                   config=StateUpdateConfig(block_p=4))
+    close(got, torch.from_numpy(want_y), "y")
+    close(state, torch.from_numpy(want_state), "state")
 
 
 # --- the emulator itself ----------------------------------------------------------------------
