@@ -54,6 +54,9 @@ SHAPES = {
                                      seq_boundaries=((0, 16, 23, 39),), name="ngroups-2-seq-idx"),
     "all-features": EDGE_SHAPES["all-features"].replace(batch=1, seqlen=45,
                                                         seq_boundaries=((3, 16, 33),)),
+    "full-chunks": ProblemSpec(2, 32, 4, 12, 8, 2, chunk_size=16, D="h", z=True,
+                               initial_states=True, seq_boundaries=((5, 16), (0, 20)),
+                               name="full-chunks"),
 }
 
 
@@ -245,6 +248,12 @@ def forward_configs():
             base, cumsum=dataclasses.replace(base.cumsum, block_h=2),
             state=dataclasses.replace(state, block_p=8, block_n=8, block_k=8, transposed=False),
             scan=dataclasses.replace(base.scan, block_h=1, block_m=8, block_s=8, block_p=8)),
+        "scan-grid-of-tiles": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, persistent=False, block_h=2, block_m=16, block_s=8, block_p=8)),
+        "scan-whole-chunk": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, whole_chunk=True, block_m=8, block_s=8, block_p=8)),
+        "scan-whole-chunk-shared": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, whole_chunk=True, shared=True, block_m=16, block_s=8, block_p=8)),
     }
 
 
@@ -252,7 +261,7 @@ FORWARD = forward_configs()
 
 
 @pytest.mark.parametrize("config", FORWARD)
-@pytest.mark.parametrize("name", ["l-not-multiple", "l-one", "all-features"])
+@pytest.mark.parametrize("name", ["l-not-multiple", "l-one", "all-features", "full-chunks"])
 def test_forward_stages(name, config):
     spec, t, ref, _ = problem(name)
     keys = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states", "seq_idx")
@@ -263,14 +272,15 @@ def test_forward_stages(name, config):
             close(got[k], ref[k], k)
 
 
-def test_forward_varlen_states():
+@pytest.mark.parametrize("config", ["small-tiles", "grouped-walk"])
+def test_forward_varlen_states(config):
     """With cu_seqlens, chunk_state_varlen's final state of every packed sequence."""
     spec, t, ref, _ = problem("ngroups-2-seq-idx")
     bounds = (0, 16, 23, 39, spec.seqlen)  # row 0's sequences: seq_boundaries, then the end
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
     keys = ("x", "dt", "A", "B", "C", "initial_states", "seq_idx")
     got = emulated(forward_stages, **{k: t[k] for k in keys}, chunk_size=spec.chunk_size,
-                   config=FORWARD["small-tiles"], cu_seqlens=cu_seqlens)
+                   config=FORWARD[config], cu_seqlens=cu_seqlens)
     want = chunk_state_varlen(t["B"].double().numpy(), t["x"].double().numpy(),
                               ref["dt_out"].numpy(), ref["dA_cumsum"].numpy(),
                               ref["prev_states"].numpy(), np.array(bounds), t["seq_idx"].numpy())
