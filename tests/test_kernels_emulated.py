@@ -32,7 +32,7 @@ from ssd.kernels import gated_rmsnorm as NORM  # noqa: E402
 from ssd.kernels import state_passing_backward as PASSING  # noqa: E402
 from ssd.kernels import state_update as UPDATE  # noqa: E402
 from ssd.launch import capture  # noqa: E402
-from ssd.problem import EDGE_SHAPES, ProblemSpec  # noqa: E402
+from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.reference import check_shapes, chunk_state_varlen  # noqa: E402
 from ssd.reference import selective_state_update as reference_step  # noqa: E402
 from ssd.validate import poisoned_memory  # noqa: E402
@@ -72,9 +72,10 @@ def close(got, want, what, rtol=RTOL):
 
 
 def problem(name, seed=5):
-    """Inputs as fp32 tensors (their float64 copies are the references' inputs), the float64
-    forward's intermediates, and random upstream gradients for each stage."""
-    spec = SHAPES[name]
+    """For ``name`` (a key of SHAPES, or a ProblemSpec): inputs as fp32 tensors (their float64
+    copies are the references' inputs), the float64 forward's intermediates, and random upstream
+    gradients for each stage."""
+    spec = SHAPES[name] if isinstance(name, str) else name
     inputs = {k: torch.from_numpy(v) for k, v in spec.make_inputs(seed).items()}
     inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
     ref = spec.reference({k: v.double().numpy() if v.is_floating_point() else v.numpy()
@@ -218,18 +219,54 @@ def _end_decay_one_early(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K // 2 - 1,), shape=(1,))
 
 
-@pytest.mark.parametrize("mutation", ["causal-mask-off-by-one", "end-decay-wrong-column"])
+def _columns_without_the_tail(ib, ic, ig, js, *rest):
+    seqlen, Q, BLOCK_Q = rest[11], rest[13], rest[14]
+    if ic * Q + js * BLOCK_Q < seqlen:  # the mutation: tiles past the end left unwritten
+        SCAN_COLUMN_BLOCK(ib, ic, ig, js, *rest)
+
+
+SCAN_COLUMN_BLOCK = SCAN.column_block
+
+
+@pytest.mark.parametrize("mutation", ["causal-mask-off-by-one", "end-decay-wrong-column",
+                                      "tail-unwritten"])
 def test_a_broken_kernel_fails(mutation, monkeypatch):
     """The emulated tests can fail: a deliberately broken helper of the tile code (an
-    off-by-one causal mask; the chunk's decay read from a wrong column) makes them fail."""
+    off-by-one causal mask; the chunk's decay read from a wrong column; the gradients of row
+    tiles past the sequence end never stored) makes them fail."""
     if mutation == "causal-mask-off-by-one":
         monkeypatch.setattr(SCAN, "pair_keep", _causal_without_diagonal)
         with pytest.raises(AssertionError, match="relative error"):
             scan_backward("l-not-multiple", SMALL_BACKWARD["scan"], monkeypatch)
-    else:
+    elif mutation == "end-decay-wrong-column":
         monkeypatch.setattr(PASSING, "chunk_end_decay", _end_decay_one_early)
         with pytest.raises(AssertionError, match="relative error"):
             test_state_passing_backward("l-not-multiple", "small-tiles")
+    else:
+        monkeypatch.setattr(SCAN, "column_block", _columns_without_the_tail)
+        with pytest.raises(AssertionError, match="not written"):
+            scan_backward("l-less-than-q", SMALL_BACKWARD["scan"], monkeypatch)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shapes(seed, monkeypatch):
+    """Every backward stage and the forward on a random small problem (ssd.problem.random_spec:
+    any chunk size, groups, head and state widths, features), with random tiles."""
+    rng = np.random.default_rng(100 + seed)
+    spec = random_spec(rng, max_chunks=2)
+    pick = lambda *v: int(rng.choice(v))  # noqa: E731
+    tiles = dict(cumsum=CumsumBackwardConfig(block_h=pick(1, 2, 8), block_rows=pick(1, 4)),
+                 state=StateBackwardConfig(block_s=pick(8, 16), block_p=pick(8, 32),
+                                           block_n=pick(4, 32)),
+                 passing=PassingBackwardConfig(block_p=pick(8, 64), block_n=pick(4, 64)),
+                 scan=ScanBackwardConfig(block_q=pick(8, 16), block_k=pick(8, 64),
+                                         block_n=pick(4, 64)))
+    monkeypatch.setitem(CONFIGS, "random", tiles)
+    test_state_passing_backward(spec, "random")
+    test_chunk_state_backward(spec, "random")
+    test_chunk_cumsum_backward(spec, "random")
+    scan_backward(spec, tiles["scan"], monkeypatch)
+    test_forward_stages(spec, "small-tiles")
 
 
 # --- forward stages ---------------------------------------------------------------------------
@@ -252,7 +289,9 @@ def forward_configs():
             base.scan, persistent=False, block_h=2, block_m=16, block_s=8, block_p=8)),
         "scan-whole-chunk": dataclasses.replace(base, scan=dataclasses.replace(
             base.scan, whole_chunk=True, block_m=8, block_s=8, block_p=8)),
-        "scan-whole-chunk-shared": dataclasses.replace(base, scan=dataclasses.replace(
+        "scan-shared": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, whole_chunk=True, shared=True, block_m=8, block_s=8, block_p=8)),
+        "scan-shared-2-column-blocks": dataclasses.replace(base, scan=dataclasses.replace(
             base.scan, whole_chunk=True, shared=True, block_m=16, block_s=8, block_p=8)),
     }
 
