@@ -448,3 +448,28 @@ def test_emulator_finds_two_blocks_writing_one_element():
         emu.run(_same_tile_kernel, (2,), torch.zeros(4), 4)
     with pytest.raises(emu.EmulationError, match="explicit astype"):
         emu.run(_same_tile_kernel, (1,), torch.zeros(4, dtype=torch.float16), 4)
+
+
+@ct.kernel
+def _reverse_kernel(a, TILE: ct.Constant[int]):
+    i = ct.bid(0)
+    t = ct.load(a, index=(ct.num_blocks(0) - 1 - i,), shape=(TILE,))
+    ct.store(a, index=(i,), tile=t)
+
+
+def test_emulator_finds_a_block_reading_what_another_wrote():
+    with pytest.raises(emu.EmulationError, match="reads elements block"):
+        emu.run(_reverse_kernel, (2,), torch.arange(8.0), 4)
+
+
+def test_emulator_load_order_follows_the_docs():
+    """The examples of cuda.tile.load's docstring: order permutes the array's axes before the
+    tile space is formed."""
+    x = torch.arange(16).reshape(4, 4).numpy()
+    assert emu.load(x, (1, 0), shape=(1, 4), order="F").tolist() == [[1, 5, 9, 13]]
+    x = torch.arange(8).reshape(2, 2, 2).numpy()
+    assert emu.load(x, (1, 0, 0), shape=(1, 2, 2), order=(0, 2, 1)).tolist() == [[[4, 6], [5, 7]]]
+    x = torch.arange(10).numpy()
+    assert emu.load(x, (2,), shape=4, padding_mode=ct.PaddingMode.ZERO).tolist() == [8, 9, 0, 0]
+    with pytest.raises(emu.EmulationError, match="integer"):
+        emu.load(x, (2,), shape=4)

@@ -3,12 +3,13 @@ Python body on the CPU, block by block, on torch CPU tensors (test infrastructur
 library).
 
 :func:`run` calls ``kernel._pyfunc`` once for every block of the grid, in row-major block
-order, with the name ``ct`` in the kernel's module and in every module that imports ``cuda.tile`` as
-``ct`` (the tile helpers it calls, e.g. ``ssd.kernels.tiles``) bound to this module's stand-in
-ops for the call, and restored afterwards (not thread-safe). :func:`emulated` runs every launch of
-``ssd.launch.launch`` that way (the launchers' host code runs unchanged, with the real
-``cuda.tile``), and :func:`replay` runs a list of launches recorded by ``ssd.launch.capture``.
-Tiles are NumPy arrays; arrays are NumPy views of the tensors, so stores land in the tensors.
+order, with the name ``ct`` bound to this module's stand-in ops (:data:`ct`) in the kernel's
+module and in every module that imports ``cuda.tile`` as ``ct`` (the tile helpers it calls,
+e.g. ``ssd.kernels.tiles``), restored afterwards (not thread-safe). :func:`emulated` runs every
+launch of ``ssd.launch.launch`` that way (through ``ssd.launch.intercept``; the launchers' host
+code runs unchanged, with the real ``cuda.tile``), and :func:`replay` runs a list of launches
+recorded by ``ssd.launch.capture``. Tiles are NumPy arrays; arrays are NumPy views of the
+tensors, so stores land in the tensors.
 
 What it checks, per the cuTile docs (``cuda.tile`` docstrings of ``load``, ``store``,
 ``mma``, ``gather``, ``extract``):
@@ -30,8 +31,10 @@ What it checks, per the cuTile docs (``cuda.tile`` docstrings of ``load``, ``sto
 
 What it cannot check: the rounding of real tensor-core MMAs (here: float64 products and sums,
 rounded once to the accumulator's dtype; fp32 operands may run as TF32 or split products on a
-GPU), the order of floating-point reductions, scheduling, memory-model races beyond the two
-above (atomics are not emulated), compile errors (the AOT tests), performance, resource limits.
+GPU), the order of floating-point reductions, flush-to-zero beyond ``exp``/``exp2``'s flag,
+int32 overflow of index arithmetic (Python ints here), scheduling, memory-model races beyond the
+two above (atomics are not emulated), compile errors (the AOT tests), performance, resource
+limits.
 
 Strict where unsure: bfloat16 arrays and ops not listed in :data:`OPS` raise instead of
 guessing (the tile helpers must not silently run with real ``cuda.tile`` ops), ``check_bounds=
