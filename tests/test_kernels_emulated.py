@@ -1,7 +1,9 @@
 """The cuTile kernels' tile code run on the CPU by tests/tile_emulator.py, against the float64
-PyTorch and NumPy references: index arithmetic, masks, padding and which elements each kernel
-writes (outputs poisoned with NaN), checked in CI without a GPU. The rounding of real MMAs,
-scheduling and speed are the GPU tests' (tests/test_gpu_*.py).
+PyTorch and NumPy references: every backward stage, the forward's stages in each layout (split
+and fused stage 2, the grouped walk, the fused scan, chunk_scan's tilings), the varlen states,
+the layer's conv and norm and the decode step. Index arithmetic, masks, padding and which
+elements each kernel writes (outputs poisoned with NaN) are checked in CI without a GPU; the
+rounding of real MMAs, scheduling and speed are the GPU tests' (tests/test_gpu_*.py).
 
 Small shapes and few blocks (the emulator runs a block's Python body per block): the edge
 cases are l < q, l % q != 0, l = 1, several groups, packed sequences (seq_idx), with and without

@@ -450,8 +450,10 @@ def _as_array(value, name):
 def _tile_modules(pyfunc):
     """``ct`` bound to the stand-in in the kernel's globals and in every module that binds it to
     ``cuda.tile`` (the tile helpers the kernel calls: ssd.kernels.tiles, a test's own)."""
-    spaces = [pyfunc.__globals__] + [vars(m) for m in list(sys.modules.values())
-                                     if getattr(m, "ct", None) is real_ct]
+    # the modules' own dicts: a module-level __getattr__ (lazy imports) is never triggered
+    spaces = [pyfunc.__globals__] + [d for m in list(sys.modules.values())
+                                     if (d := getattr(m, "__dict__", None)) is not None
+                                     and d.get("ct") is real_ct]
     saved = []
     for space in spaces:
         if space.get("ct") is real_ct:
