@@ -443,6 +443,8 @@ def test_emulator_padding_and_bounds():
         emu.run(_copy_kernel, (3,), src, dst, 4, True)
     with pytest.raises(emu.EmulationError, match="power of two"):
         emu.run(_copy_kernel, (2,), src, dst, 3, True)
+    with pytest.raises(emu.EmulationError, match="share memory"):
+        emu.run(_copy_kernel, (2,), src, src[2:], 4, True)
 
 
 def test_emulator_finds_two_blocks_writing_one_element():

@@ -25,6 +25,7 @@ What it checks, per the cuTile docs (``cuda.tile`` docstrings of ``load``, ``sto
   elements; with outputs poisoned with NaN before the run, an element no block writes stays
   NaN. Within one launch, an element written by two blocks, or read by one block and written
   by another, raises (the result would depend on the blocks' order on a GPU);
+* aliasing: two array arguments that share memory raise (cuTile forbids it);
 * dtypes: ``mma`` takes operands of one dtype and an accumulator of the dtype the docs' table
   allows (f16 -> f16 or f32, f32 -> f32, f64 -> f64); a store casts only where the cast is
   implicit in cuTile (the tile's dtype promotes to the array's), a narrowing store raises.
@@ -477,6 +478,12 @@ def run(kernel, grid, *args):
     if len(args) != len(names):
         raise EmulationError(f"{pyfunc.__name__}: {len(args)} arguments for {names}")
     arrays = [_as_array(a, n) for a, n in zip(args, names)]
+    views = [(n, a) for n, a in zip(names, arrays) if isinstance(a, np.ndarray)]
+    for i, (name, a) in enumerate(views):
+        for other, b in views[i + 1:]:
+            if np.may_share_memory(a, b):
+                raise EmulationError(f"{pyfunc.__name__}: arrays {name} and {other} share memory "
+                                     "(cuTile kernels take no aliased arrays)")
     grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
     _state.grid, _state.writers, _state.readers = grid, {}, {}
     try:
