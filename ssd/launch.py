@@ -78,18 +78,28 @@ class Launch:
     args: tuple
 
 
-_captured: list | None = None
+_handler = None  # called with each Launch in place of running it (see intercept)
+
+
+@contextlib.contextmanager
+def intercept(handler):
+    """Hand every launch to ``handler``, called with its :class:`Launch`, instead of running
+    it: :func:`capture` records them; the tests' CPU emulator of the tile code
+    (tests/tile_emulator.py) runs them."""
+    global _handler
+    previous, _handler = _handler, handler
+    try:
+        yield
+    finally:
+        _handler = previous
 
 
 @contextlib.contextmanager
 def capture():
     """Record launches instead of running them (for ahead-of-time compilation)."""
-    global _captured
-    previous, _captured = _captured, []
-    try:
-        yield _captured
-    finally:
-        _captured = previous
+    records = []
+    with intercept(records.append):
+        yield records
 
 
 _launched: set = set()  # kernels launched at least once in this process
@@ -113,15 +123,15 @@ def kernel_args(kernel, args: dict) -> tuple:
 
 def launch(kernel, grid: tuple, args: dict, device=None, quick=None) -> None:
     """Launch ``kernel`` over ``grid`` with ``args`` (parameter name -> value, see
-    :func:`kernel_args`) on the current stream of ``device``, or record it under
-    :func:`capture`.
+    :func:`kernel_args`) on the current stream of ``device``, or hand it to the handler of
+    :func:`intercept` (:func:`capture` records it).
 
     quick: a :class:`QuickFirst` for a kernel whose tuned build compiles for long; until that
     build is ready the quick one runs in its place (see the module docstring).
     """
     grid, args = tuple(grid), kernel_args(kernel, args)
-    if _captured is not None:
-        _captured.append(Launch(kernel, grid, args))
+    if _handler is not None:
+        _handler(Launch(kernel, grid, args))
         return
     import torch
 
