@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -289,26 +290,23 @@ def tilegym_autotune(tuned: bool):
             os.environ[TILEGYM_AUTOTUNE_ENV] = saved
 
 
-_TILEGYM_FUNCTION = {}
-
-
+@functools.cache
 def _tilegym_function():
     """The ``torch.autograd.Function`` around TileGym's forward and backward (made once)."""
     import torch
 
-    if "fn" in _TILEGYM_FUNCTION:
-        return _TILEGYM_FUNCTION["fn"]
-
     class TileGymSSD(torch.autograd.Function):
-        """(x, dt', A, B, C, D, init_state) -> (y, final_state); dt' positive, D (h,)."""
+        """x (b, l, h, p), dt' (b, l, h) positive, A (h,), B and C (b, l, g, n), D (h,),
+        init_state (b, h, p, n) fp32 -> y (b, l, h, p), final_state (b, h, p, n)."""
 
         @staticmethod
         def forward(ctx, x, dt, A, B, C, D, init, chunk_size, kernels, tuned):
             with tilegym_autotune(tuned):
                 y, final = kernels[0](x, A, B, C, D, dt, init, chunk_size)
-            ctx.save_for_backward(x, dt, A, B, C, D, init)  # the inputs only: TileGym's
-            ctx.chunk_size, ctx.kernels, ctx.tuned = chunk_size, kernels, tuned  # backward
-            return y, final                                  # recomputes the rest
+            # the inputs only: TileGym's backward takes them and recomputes the rest
+            ctx.save_for_backward(x, dt, A, B, C, D, init)
+            ctx.chunk_size, ctx.kernels, ctx.tuned = chunk_size, kernels, tuned
+            return y, final
 
         @staticmethod
         def backward(ctx, dy, dfinal):
@@ -320,7 +318,6 @@ def _tilegym_function():
             grads = (dx, ddt, dA, dB, dC, dD, dinit)
             return tuple(g.to(t.dtype) for g, t in zip(grads, saved)) + (None, None, None)
 
-    _TILEGYM_FUNCTION["fn"] = TileGymSSD
     return TileGymSSD
 
 
