@@ -34,8 +34,10 @@ HOLDS = {
                         "time to first token, tokens/s, the SSD's share",
     "robust": "shapes drawn from published Mamba-2 layers, packed or not: ours at chunk 64 "
               "against mamba_ssm's best chunk size, graph and eager, against the suite's goals",
-    "backward": "forward + backward, ours and mamba_ssm's, at three chunk sizes, graph and "
-                "eager; extra peak memory",
+    "backward": "forward + backward, ours and mamba_ssm's at three chunk sizes, TileGym "
+                "untuned at 64, graph and eager; extra peak memory",
+    "backward_tilegym_tuned": "forward + backward, ours and TileGym's with its autotuner "
+                              "searching; its configurations",
     "training": "the recall task trained with each SSD backend: loss and accuracy curves, "
                 "step times",
     "training_step": "a training step of the stack per models shape and backend; the SSD's "
