@@ -293,6 +293,20 @@ class Conv1dConfig:
 
 
 @dataclass(frozen=True)
+class ConvStepConfig:
+    """The conv's decode step (:mod:`ssd.kernels.conv_step`): one block per (``block_c``
+    channels, batch entry), the window of w inputs a channel in one [block_c, w] tile. A step
+    moves a few bytes a channel, so the block only needs to be wide enough that a batch of one
+    still spreads over the SMs (5376 channels of the 2.7b layer: 21 blocks) and few enough
+    blocks launch at batch 256. Untimed."""
+
+    block_c: int = 256
+
+    def __post_init__(self):
+        _check_pow2("block_c", self.block_c)
+
+
+@dataclass(frozen=True)
 class GatedNormConfig:
     """The layer's gated RMSNorm (:mod:`ssd.kernels.gated_rmsnorm`): a block holds whole groups
     (the group padded to a power of two) of as many rows as make about ``block_elems`` values,
