@@ -178,7 +178,8 @@ def conv_step(conv_state, x, weight, bias=None, activation="silu", state_batch_i
                          "take (Mamba-2's d_conv is 4)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    if any(st == 0 and n > 1 for n, st in zip(conv_state.shape, conv_state.stride())):
+    if conv_state.numel() and any(st == 0 and n > 1
+                                  for n, st in zip(conv_state.shape, conv_state.stride())):
         raise ValueError(f"conv_state: a stride of 0 (strides {conv_state.stride()}) would "
                          "write one element from several rows; it is updated in place")
     if out is not None and tuple(out.shape) != (b, c):
