@@ -14,7 +14,7 @@ are their slow truths, computed in float64 whatever the input dtype:
 * :func:`conv_step` -- the same convolution one token further in generation: the conv state
   holds the w - 1 previous inputs, and the step is :func:`causal_conv1d` of one position with
   that state as its initial state (:func:`conv_step_torch`: the same step in PyTorch, what the
-  layer runs today).
+  layer runs with ``kernels="torch"``; :mod:`ssd.kernels.conv_step` is the cuTile one).
 * :func:`gated_rmsnorm` -- Mamba-2's gated RMSNorm with the gate before the norm (mamba_ssm's
   ``RMSNormGated(norm_before_gate=False)``), per group of ``group_size`` channels:
 
@@ -204,9 +204,9 @@ def conv_step(conv_state, x, weight, bias=None, activation="silu"):
 
 def conv_step_torch(conv_state, x, weight, bias=None, activation="silu"):
     """One token through the depthwise causal conv1d, in plain PyTorch: the decode step of
-    :func:`ssd.layer.causal_conv1d_torch` (the layer's ``kernels="torch"``;
-    :func:`ssd.layer_ops.conv_step` runs it too). Computes in fp32 (fp64 for fp64) and rounds
-    once, as :func:`conv_step` does in float64.
+    :func:`ssd.layer.causal_conv1d_torch` (the layer's ``kernels="torch"``; with
+    ``kernels="cutile"`` :func:`ssd.layer_ops.conv_step` launches the cuTile step). Computes in
+    fp32 (fp64 for fp64) and rounds once, as :func:`conv_step` does in float64.
 
     Args:
         conv_state: (b, c, w-1) of x's dtype, the w-1 previous inputs, oldest first; updated
