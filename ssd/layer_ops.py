@@ -173,9 +173,9 @@ def conv_step(conv_state, x, weight, bias=None, activation="silu", state_batch_i
     b, c, w = conv_step_dims(**{k: None if t is None else tuple(t.shape) for k, t in dict(
         conv_state=conv_state, x=x, weight=weight, bias=bias,
         state_batch_indices=state_batch_indices).items()})
-    if w > MAX_WIDTH:
-        raise ValueError(f"weight: width {w} is wider than the {MAX_WIDTH} the conv kernels "
-                         "take (Mamba-2's d_conv is 4)")
+    if w > _step.MAX_WIDTH:
+        raise ValueError(f"weight: width {w} is wider than the {_step.MAX_WIDTH} the conv step "
+                         "kernel takes (Mamba-2's d_conv is 4)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     if conv_state.numel() and any(st == 0 and n > 1

@@ -10,11 +10,13 @@ and channel c, with the window of the w most recent inputs, oldest first::
 
 This is :func:`ssd.kernels.causal_conv1d` one position further with the conv state as its
 initial state (the float64 reference is :func:`ssd.layer_reference.conv_step`). A block owns
-``block_c`` channels of one batch entry: it gathers the window as one [C, W] tile (the w - 1
-state columns, x in the last), reduces it against the weights in fp32, rounds once, and scatters
-the window's last w - 1 columns back one place to the left. The state is read once and written
-once; the scatter consumes the tile the gather produced, so every element is read before it is
-overwritten. A negative ``state_batch_indices`` entry is padding, as in the SSM's decode step
+``block_c`` channels of one batch entry: it gathers x and each of the w - 1 state columns as a
+[C] tile, sums the taps against the weights in fp32, rounds once, and scatters the window's newest
+w - 1 columns back one place to the left. The state is read once and written once. Every column
+is a [C] tile indexed by the same channels, so a channel's reads and writes are one thread's, in
+program order, and no read sees a write (a [C, W] tile of the window would let the compiler give
+a channel's columns to different threads, and one could overwrite a column before another read
+it). A negative ``state_batch_indices`` entry is padding, as in the SSM's decode step
 (:mod:`ssd.kernels.state_update`): its out is 0 and no state row is touched.
 """
 import functools
@@ -24,6 +26,10 @@ import cuda.tile as ct
 from ..config import ConvStepConfig, next_pow2
 from ..launch import array_type, index_dtype_for, launch, optional
 from .tiles import ConstBool, ConstInt
+
+
+#: The widest conv the kernel is unrolled for (Mamba-2's d_conv is 4): w - 1 <= 3 state columns.
+MAX_WIDTH = 4
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,8 +45,7 @@ def build_kernel(index_dtype=ct.int32):
         bias: Array,        # (c,) (ignored unless HAS_BIAS)
         slots: Array,       # (b,) int: each entry's state row, negative for padding (HAS_SLOTS)
         out: Array,         # (b, c) x's dtype
-        WIDTH: ConstInt,
-        W_PAD: ConstInt,    # next_pow2(WIDTH): tile extents are powers of two
+        WIDTH: ConstInt,    # 1 <= WIDTH <= MAX_WIDTH
         BLOCK_C: ConstInt,
         HAS_BIAS: ConstBool,
         HAS_SLOTS: ConstBool,
@@ -55,24 +60,33 @@ def build_kernel(index_dtype=ct.int32):
             if row < 0:  # a padding entry: no state row is its own; out = 0
                 ct.store(out, index=(ib, jc), tile=ct.zeros((1, BLOCK_C), dtype=out.dtype))
                 return
-        cols = jc * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)  # [C]
-        taps = ct.arange(W_PAD, dtype=ct.int32)  # [W]
-        # The w-1 state columns; the taps from w-1 on read nothing (x and the padding).
-        past = ct.gather(conv_state, (row, cols[:, None], taps[None, :]),
-                         mask=(taps < WIDTH - 1)[None, :])  # [C, W] x's dtype
-        x_t = ct.gather(x, (ib, cols))  # [C]; channels past c read 0
-        window = ct.where((taps == WIDTH - 1)[None, :], x_t[:, None], past)  # [C, W]
-        # Taps past w are out of the weight's bounds: they read 0.
-        wt = ct.gather(weight, (cols[:, None], taps[None, :])).astype(ct.float32)  # [C, W]
-        acc = ct.sum(window.astype(ct.float32) * wt, axis=1)  # [C] fp32
+        cols = jc * BLOCK_C + ct.arange(BLOCK_C, dtype=ct.int32)  # [C]; past c: read as 0
+        # Every window column is a [C] tile indexed alike, so the thread that reads a channel's
+        # state is the one that writes it back in the roll below: no read can see a write.
+        x_t = ct.gather(x, (ib, cols))  # [C] the newest input, tap w-1
+        acc = ct.gather(weight, (cols, WIDTH - 1)).astype(ct.float32) * x_t.astype(ct.float32)
+        if WIDTH > 1:  # the state columns, oldest first: taps 0 .. w-2
+            s0 = ct.gather(conv_state, (row, cols, 0))  # [C]
+            acc = acc + ct.gather(weight, (cols, 0)).astype(ct.float32) * s0.astype(ct.float32)
+        if WIDTH > 2:
+            s1 = ct.gather(conv_state, (row, cols, 1))  # [C]
+            acc = acc + ct.gather(weight, (cols, 1)).astype(ct.float32) * s1.astype(ct.float32)
+        if WIDTH > 3:
+            s2 = ct.gather(conv_state, (row, cols, 2))  # [C]
+            acc = acc + ct.gather(weight, (cols, 2)).astype(ct.float32) * s2.astype(ct.float32)
         if HAS_BIAS:
             acc = acc + ct.gather(bias, cols).astype(ct.float32)
         if SILU:
             acc = acc / (1.0 + ct.exp(-acc))  # x * sigmoid(x); exp overflows to inf -> -0
         ct.store(out, index=(ib, jc), tile=acc.astype(out.dtype).reshape((1, BLOCK_C)))
-        # The roll: window column k (1 <= k < w) to state column k - 1, exact (x's dtype).
-        ct.scatter(conv_state, (row, cols[:, None], (taps - 1)[None, :]), window,
-                   mask=((taps >= 1) & (taps < WIDTH))[None, :])
+        # The roll, after every read: column k takes column k + 1, the last one x (values of
+        # x's dtype moved, exact). Channels past c are out of bounds: not stored.
+        if WIDTH > 2:
+            ct.scatter(conv_state, (row, cols, 0), s1)
+        if WIDTH > 3:
+            ct.scatter(conv_state, (row, cols, 1), s2)
+        if WIDTH > 1:
+            ct.scatter(conv_state, (row, cols, WIDTH - 2), x_t)
 
     return conv_step_kernel
 
@@ -85,8 +99,7 @@ def conv_step(conv_state, x, weight, bias=None, state_batch_indices=None, silu: 
         conv_state: (b, c, w-1), or (s, c, w-1) rows of a paged cache with state_batch_indices;
             x's dtype, updated in place.
         x: (b, c) float tensor on the GPU, any strides.
-        weight: (c, w) with 1 <= w <= MAX_WIDTH of :mod:`ssd.kernels.causal_conv1d`; bias:
-            optional (c,).
+        weight: (c, w) with 1 <= w <= MAX_WIDTH; bias: optional (c,).
         state_batch_indices: optional (b,) int32 / int64 state rows; negative: padding.
         silu: apply SiLU after the bias.
         out: optional preallocated (b, c) tensor of x's dtype (tests poison it).
@@ -106,6 +119,6 @@ def conv_step(conv_state, x, weight, bias=None, state_batch_indices=None, silu: 
     launch(build_kernel(index_dtype_for(state, x, out)), (-(-c // block_c), b, 1), dict(
         conv_state=state, x=x, weight=weight, bias=optional(bias, 1, x.dtype, dev),
         slots=optional(state_batch_indices, 1, torch.int32, dev), out=out, WIDTH=width,
-        W_PAD=next_pow2(width), BLOCK_C=block_c, HAS_BIAS=bias is not None,
+        BLOCK_C=block_c, HAS_BIAS=bias is not None,
         HAS_SLOTS=state_batch_indices is not None, SILU=bool(silu)), device=dev)
     return out
