@@ -248,7 +248,7 @@ def capture_backward(dtype: str, features: str):
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
     each packed sequence's final state, the backward's stage kernels (:func:`capture_backward`),
-    the decode step and the layer's conv and norm (:func:`capture_layer`), for each arch.
+    the decode step and the layer's conv, norm and conv step (:func:`capture_layer`), for each arch.
     ``forward_only`` also keeps to the forward with every feature, whose kernels hold the
     featureless ones' code and more."""
     from ..config import FusedScanConfig, SSDConfig
