@@ -1,7 +1,7 @@
 """The cuTile kernels' tile code run on the CPU by tests/tile_emulator.py, against the float64
 PyTorch and NumPy references: every backward stage, the forward's stages in each layout (split
 and fused stage 2, the grouped walk, the fused scan, chunk_scan's tilings), the varlen states,
-the layer's conv and norm and the decode step. Index arithmetic, masks, padding and which
+the layer's conv, its decode step and norm, and the SSM decode step. Index arithmetic, masks, padding and which
 elements each kernel writes (outputs poisoned with NaN) are checked in CI without a GPU; the
 rounding of real MMAs, scheduling and speed are the GPU tests' (tests/test_gpu_*.py).
 
@@ -23,13 +23,14 @@ import tile_emulator as emu  # noqa: E402
 from ssd import backward as TB  # noqa: E402
 from ssd.api import forward_stages  # noqa: E402
 from ssd import layer_reference as layer_ref  # noqa: E402
-from ssd.config import (Conv1dConfig, CumsumBackwardConfig, GatedNormConfig,  # noqa: E402
-                        PassingBackwardConfig, ScanBackwardConfig, StateBackwardConfig,
-                        StateUpdateConfig, default_config)
+from ssd.config import (Conv1dConfig, ConvStepConfig, CumsumBackwardConfig,  # noqa: E402
+                        GatedNormConfig, PassingBackwardConfig, ScanBackwardConfig,
+                        StateBackwardConfig, StateUpdateConfig, default_config)
 from ssd.kernels import causal_conv1d as CONV  # noqa: E402
 from ssd.kernels import chunk_cumsum_backward as CUMSUM  # noqa: E402
 from ssd.kernels import chunk_scan_backward as SCAN  # noqa: E402
 from ssd.kernels import chunk_state_backward as STATE  # noqa: E402
+from ssd.kernels import conv_step as STEP  # noqa: E402
 from ssd.kernels import gated_rmsnorm as NORM  # noqa: E402
 from ssd.kernels import state_passing_backward as PASSING  # noqa: E402
 from ssd.kernels import state_update as UPDATE  # noqa: E402
@@ -408,6 +409,31 @@ def test_state_update(per_head):
                    config=StateUpdateConfig(block_p=4))
     close(got, torch.from_numpy(want_y), "y")
     close(state, torch.from_numpy(want_state), "state")
+
+
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("paged", [False, True])
+def test_conv_step(width, paged):
+    """The decode step's conv: the output and the state rows it rolls in place (a padding
+    entry, -1, writes a zero output and touches no row)."""
+    rng = np.random.default_rng(10)
+    b, c, slots = 3, 37, 7
+    f = lambda *s: torch.from_numpy(rng.standard_normal(s)).float()  # noqa: E731
+    x = f(b, 50)[:, 5:5 + c]  # a strided view, as the mixer passes in_proj's slice
+    weight, bias = f(c, width), f(c)
+    state = f(slots if paged else b, c, width - 1)
+    before = state.double().numpy().copy()
+    rows = np.array([4, -1, 1]) if paged else np.arange(b)
+    index = torch.from_numpy(rows) if paged else None
+    got = emulated(STEP.conv_step, state, x, weight, bias, index,
+                   config=ConvStepConfig(block_c=16))
+    live = rows >= 0
+    want, want_state = np.zeros((b, c)), before.copy()
+    want[live], want_state[rows[live]] = layer_ref.conv_step(
+        before[rows[live]], x.double().numpy()[live], weight.double().numpy(),
+        bias.double().numpy())
+    close(got, torch.from_numpy(want), "conv step")
+    assert np.array_equal(state.double().numpy(), want_state), "conv state rolled wrong"
 
 
 # --- the emulator itself ----------------------------------------------------------------------

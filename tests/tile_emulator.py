@@ -260,6 +260,37 @@ def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, lat
     return out.astype(array.dtype)
 
 
+def scatter(array, indices, value, *, mask=None, check_bounds=True, latency=None):
+    """Store ``value`` at the elements ``indices`` name; an index outside the array, or
+    masked off, stores nothing."""
+    if not isinstance(indices, tuple):
+        indices = (indices,)
+    if len(indices) != array.ndim:
+        raise EmulationError(f"scatter: {len(indices)} index tiles for a rank {array.ndim} array")
+    idx = np.broadcast_arrays(*(np.asarray(i) for i in indices))
+    value = np.broadcast_to(np.asarray(value), idx[0].shape)
+    if np.promote_types(value.dtype, array.dtype) != array.dtype:
+        raise EmulationError(f"scatter: {value.dtype} into a {array.dtype} array narrows: "
+                             "astype first")
+    ok = np.ones(idx[0].shape, dtype=bool)
+    for i, n in zip(idx, array.shape):
+        ok &= (i >= 0) & (i < n)
+    if not check_bounds and not ok.all():
+        raise EmulationError("scatter: check_bounds=False with an index outside the array")
+    if mask is not None:
+        ok = ok & np.broadcast_to(np.asarray(mask), ok.shape)
+    sel = tuple(i[ok] for i in idx)
+    writers, readers = _state.maps(array, "C")
+    w, r = writers[sel], readers[sel]
+    others_wrote = (w >= 0) & (w != _state.block)
+    others_read = (r == -2) | ((r >= 0) & (r != _state.block))
+    if others_wrote.any() or others_read.any():
+        raise EmulationError(f"scatter: block {_state.bid} writes elements another block read or "
+                             "wrote in the same launch")
+    writers[sel] = _state.block
+    array[sel] = value[ok]
+
+
 def _race_on_read_elements(array, idx, ok):
     writers, readers = _state.maps(array, "C")
     w = writers[idx][ok]
@@ -415,6 +446,7 @@ def static_iter(iterable):
 #: The names the stand-in provides, as ``ct.<name>`` in kernel code.
 OPS = dict(
     bid=bid, num_blocks=num_blocks, num_tiles=num_tiles, load=load, store=store, gather=gather,
+    scatter=scatter,
     mma=mma, arange=arange, full=full, zeros=zeros, ones=ones, exp=exp, exp2=exp2, log=log,
     rsqrt=rsqrt, minimum=minimum, maximum=maximum, where=where, sum=sum, max=max, min=min,
     cumsum=cumsum, transpose=transpose, permute=permute, reshape=reshape, astype=astype,
