@@ -118,7 +118,23 @@ def kernel_args(kernel, args: dict) -> tuple:
     if args.keys() != set(names):
         missing, unknown = sorted(set(names) - set(args)), sorted(set(args) - set(names))
         raise ValueError(f"{kernel._pyfunc.__name__}: missing {missing}, unknown {unknown}")
-    return tuple(args[name] for name in names)
+    return tuple(_launchable(kernel, name, args[name]) for name in names)
+
+
+def _launchable(kernel, name: str, value):
+    """``value`` as a launch takes it. A tensor that requires grad (a trained D or dt_bias read
+    by the decode step, say) is read through a detached view where grad mode is off; with grad
+    mode on, the launch would drop the gradient silently, so it raises instead (differentiable
+    entry points run their kernels inside an autograd.Function, where grad mode is off)."""
+    if not getattr(value, "requires_grad", False):
+        return value
+    import torch
+
+    if torch.is_grad_enabled():
+        raise ValueError(f"{kernel._pyfunc.__name__}: {name} requires grad, and this kernel has "
+                         "no backward: call it under torch.no_grad(), or through a "
+                         "differentiable entry point")
+    return value.detach()
 
 
 def launch(kernel, grid: tuple, args: dict, device=None, quick=None) -> None:
