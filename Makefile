@@ -65,9 +65,9 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # names it), then execute the GPU chapters so their stored outputs come from the same
 # run. Each part is sized for under ten minutes on a fresh H100 or H200, for machines
 # that cap a command's time:
-#   gpu-check          the GPU tests (gpu_tests.json, gpu_mixer_tests.json,
-#                      gpu_decode_tests.json; one process per core: compiling the
-#                      kernel variants dominates) and first calls
+#   gpu-check          the GPU tests (gpu_tests, gpu_mixer_tests, gpu_decode_tests,
+#                      gpu_backward_tests: .json.gz; one process per core: compiling
+#                      the kernel variants dominates) and first calls
 #   gpu-models-1       the models suite against mamba_ssm and TileGym, some shapes,
 #   gpu-models-2       and the others, merged into one models.json (about two minutes
 #                      a shape, most of it compiling and mamba_ssm's autotuning)
@@ -85,8 +85,10 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 #                      shapes compiled first in parallel; mamba_ssm at its best of
 #                      64/128/256, autotuned on each shape: most of about a minute a
 #                      shape (each part prints a shape's seconds by phase)
-#   gpu-backward-1..3  forward + backward against mamba_ssm on the models shapes,
-#                      some shapes each, merged into one backward.json
+#   gpu-backward-1..3  forward + backward against mamba_ssm and TileGym untuned on
+#                      the models shapes, some shapes each, merged into one
+#                      backward.json (TileGym adds its compiles and about half a
+#                      minute a shape)
 #   gpu-train-mqar     the recall task trained with each backend from two seeds
 #                      (training.json)
 #   gpu-train-step-1   a training step of the stack at the models shapes, some
@@ -103,7 +105,7 @@ BACKWARD_3 ?= small-state
 .PHONY: gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
-  gpu-results gpu-tilegym
+  gpu-results gpu-tilegym gpu-tilegym-backward
 gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
@@ -164,6 +166,18 @@ gpu-results:
 # no GPU needed; run it at the revision make gpu records.
 resources: $(VENV)/.stamp
 	$(VENV)/bin/python -m ssd.tools.aot --resources
+
+# make gpu-tilegym-backward: ours and TileGym's forward + backward with its autotuner
+# searching every kernel's candidates, one shape a command (several minutes a shape),
+# merged into backward_tilegym_tuned.json. Not part of make gpu, as gpu-tilegym.
+TILEGYM_BACKWARD_SHAPES ?= 130m 2.7b long-16k codestral-7b small-state
+gpu-tilegym-backward:
+	for s in $(TILEGYM_BACKWARD_SHAPES); do \
+	  $(GPU_PYTHON) -m ssd.tools.backward_bench --impl ssd --impl tilegym_tuned --reps 30 \
+	    --shapes $$s --merge \
+	    --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/backward_tilegym_tuned.json \
+	    || exit 1; \
+	done
 
 # make gpu-tilegym: TileGym's own autotuner on each models shape (an exhaustive search, minutes a
 # shape), its chosen configurations kept in results/tilegym_tuned.json for gpu-bench to replay.

@@ -293,6 +293,20 @@ class Conv1dConfig:
 
 
 @dataclass(frozen=True)
+class ConvStepConfig:
+    """The conv's decode step (:mod:`ssd.kernels.conv_step`): one block per (``block_c``
+    channels, batch entry), each of the w window columns a [block_c] tile. A step moves a few
+    bytes a channel: 256 channels a block spread a batch of one over 21 blocks at the 2.7b
+    layer's 5376 channels, and keep the grid at 5376 blocks at batch 256. The width-4 kernel
+    compiles for sm_90 to 38 registers a thread and no shared memory. Untimed."""
+
+    block_c: int = 256
+
+    def __post_init__(self):
+        _check_pow2("block_c", self.block_c)
+
+
+@dataclass(frozen=True)
 class GatedNormConfig:
     """The layer's gated RMSNorm (:mod:`ssd.kernels.gated_rmsnorm`): a block holds whole groups
     (the group padded to a power of two) of as many rows as make about ``block_elems`` values,

@@ -156,17 +156,20 @@ def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims
 
 def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 2,
                   seqlen: int = 300):
-    """Run the launchers of the layer's conv and norm (:mod:`ssd.kernels.causal_conv1d`,
-    :mod:`ssd.kernels.gated_rmsnorm`) on empty CPU tensors in the layouts the mixer hands them,
-    and return the recorded launches: xBC and z column slices of in_proj's (b, l, d_in_proj)
-    output, y the SSD's contiguous output, for the ``preset`` layer (``ssd.layer.PRESETS``) at
-    ``batch`` x ``seqlen`` (the default has a partial last row block).
+    """Run the launchers of the layer's conv, norm and conv step (:mod:`ssd.kernels.causal_conv1d`,
+    :mod:`ssd.kernels.gated_rmsnorm`, :mod:`ssd.kernels.conv_step`) on empty CPU tensors in the
+    layouts the mixer hands them, and return the recorded launches: xBC and z column slices of
+    in_proj's (b, l, d_in_proj) output (one token's row for the step), y the SSD's contiguous
+    output, for the ``preset`` layer (``ssd.layer.PRESETS``) at ``batch`` x ``seqlen`` (the
+    default has a partial last row block).
 
     features: "none" (as the mixer calls them: bias and SiLU) or "all" (the conv with seq_idx
-    and an initial conv state as well; the norm has no options)."""
+    and an initial conv state as well, the step with a paged cache; the norm has no
+    options)."""
     import torch
 
     from ..kernels.causal_conv1d import causal_conv1d
+    from ..kernels.conv_step import conv_step
     from ..kernels.gated_rmsnorm import gated_rmsnorm
     from ..layer import PRESETS
 
@@ -176,15 +179,19 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     b, l = batch, seqlen
     zxbcdt = torch.empty(b, l, cfg.d_in_proj, dtype=t)
     z, xBC = zxbcdt[..., :cfg.d_inner], zxbcdt[..., cfg.d_inner:cfg.d_inner + cfg.conv_dim]
-    extra = {}
+    extra, rows, paged = {}, b, {}
     if features == "all":
         extra = dict(seq_idx=torch.zeros(b, l, dtype=torch.int32),
                      initial_states=torch.empty(b, cfg.conv_dim, cfg.d_conv - 1, dtype=t))
+        rows, paged = 2 * b, dict(state_batch_indices=torch.zeros(b, dtype=torch.int32))
+    weight = torch.empty(cfg.conv_dim, cfg.d_conv, dtype=t)
+    bias = torch.empty(cfg.conv_dim, dtype=t)
     with launch.capture() as records:
-        causal_conv1d(xBC, torch.empty(cfg.conv_dim, cfg.d_conv, dtype=t),
-                      torch.empty(cfg.conv_dim, dtype=t), **extra)
+        causal_conv1d(xBC, weight, bias, **extra)
         gated_rmsnorm(torch.empty(b, l, cfg.d_inner, dtype=t), z, torch.empty(cfg.d_inner),
                       cfg.d_inner // cfg.ngroups, 1e-5)
+        conv_step(torch.empty(rows, cfg.conv_dim, cfg.d_conv - 1, dtype=t), xBC[:, 0], weight,
+                  bias, **paged)
     return records
 
 
@@ -241,7 +248,7 @@ def capture_backward(dtype: str, features: str):
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
     each packed sequence's final state, the backward's stage kernels (:func:`capture_backward`),
-    the decode step and the layer's conv and norm (:func:`capture_layer`), for each arch.
+    the decode step and the layer's conv, norm and conv step (:func:`capture_layer`), for each arch.
     ``forward_only`` also keeps to the forward with every feature, whose kernels hold the
     featureless ones' code and more."""
     from ..config import FusedScanConfig, SSDConfig
