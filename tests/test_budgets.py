@@ -301,17 +301,11 @@ def test_one_gpu_test_summary_revision():
     assert len(named) == 1, f"GPU-test summaries name several revisions: {summaries}"
 
 
-# Recordings that name another revision than the GPU tests' summary until one `make gpu` on an
-# H200 records every file at one revision (issue 44; a fresh H200 needs more than one 30-minute
-# device budget for it today, see DESIGN.md). Each is an expected failure, strictly: once it is
-# re-recorded its check passes, and it must leave this list.
-AWAITING_RECORDING = {
-    "results/h200/endtoend.json", "results/h200/first-call.json", "results/h200/models.json",
-    "results/h200/primer.json", "results/h200/serving.json",
-    "results/h200/stage1_chunk_cumsum.json", "results/h200/stage2_chunk_state.json",
-    "results/h200/stage3_chunk_scan.json", "results/h200/tilegym_replayed.json",
-    "results/compile/sm_90_resources.json",
-}
+# Recordings allowed to name another revision than the GPU tests' summary while a `make gpu`
+# spread over several device sessions is under way, each an expected failure, strictly: once it
+# is re-recorded its check passes, and it must leave this set. Empty: every recording names one
+# revision.
+AWAITING_RECORDING: set = set()
 
 
 def _awaiting(paths):
