@@ -367,15 +367,17 @@ def plan_key(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx,
              dt_softplus, dt_limit, return_varlen_states, config) -> tuple | None:
     """Everything a call's host path depends on: each tensor argument's dtype, shape, strides and
     device (None where absent; cu_seqlens only with return_varlen_states, the one call that
-    reads it), chunk_size, dt_softplus, dt_limit, return_varlen_states, and the config object by
-    identity (its plan holds it, so no other object takes its id while the plan lives). None
+    reads it), chunk_size, dt_softplus, dt_limit, return_varlen_states, the config object by
+    identity (its plan holds it, so no other object takes its id while the plan lives), and
+    whether launches are captured (CPU tensors pass :func:`validate` there only). None
     where an argument is of a kind a key cannot hold exactly (such a call is checked and run in
     full): a chunk_size not an int (64.0 must still fail the checks), a dt_limit not a tuple of
     two numbers, an argument that is no tensor."""
     if type(chunk_size) is not int or type(dt_limit) is not tuple or len(dt_limit) != 2 or not (
             isinstance(dt_limit[0], (int, float)) and isinstance(dt_limit[1], (int, float))):
         return None
-    key = [chunk_size, bool(dt_softplus), dt_limit, bool(return_varlen_states), id(config)]
+    key = [chunk_size, bool(dt_softplus), dt_limit, bool(return_varlen_states), id(config),
+           _launch.capturing()]  # CPU tensors pass the checks under capture only
     for t in (x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx,
               cu_seqlens if return_varlen_states else None):
         if t is None:
@@ -526,17 +528,21 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
             seq_idx=seq_idx, cu_seqlens=cu_seqlens, dt_softplus=dt_softplus, dt_limit=dt_limit,
             return_final_states=return_final_states, return_varlen_states=return_varlen_states,
             stages=forward_stages, config=config)
+    varlen = cu_seqlens if return_varlen_states else None
+    if key is None:  # arguments a key cannot hold exactly: the whole forward at every call
+        return _returned(forward_stages(
+            x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+            seq_idx=seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit, config=config,
+            cu_seqlens=varlen), return_final_states, return_varlen_states)
     inputs = prepare(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                     initial_states=initial_states, seq_idx=seq_idx,
-                     cu_seqlens=cu_seqlens if return_varlen_states else None)
+                     initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=varlen)
     if plan is None:
         resolved = resolve_config(config, chunk_size, x, B)
         plan = make_plan(inputs, chunk_size, dt_softplus, dt_limit, resolved, dims, held=config)
         if plan is None:  # two inputs are one tensor: run in full, keep no plan
             return _returned(run_stages(inputs, chunk_size, dt_softplus, dt_limit, resolved),
                              return_final_states, return_varlen_states)
-        if key is not None:
-            _remember(key, plan)
+        _remember(key, plan)
     r = (plan.replay(inputs, x.device) if plan.steps is not None
          else run_stages(inputs, chunk_size, dt_softplus, dt_limit, plan.config))
     return _returned(r, return_final_states, return_varlen_states)
