@@ -184,25 +184,36 @@ def run(steps, arguments, device) -> None:
         return
     import torch
 
+    index = device.index if isinstance(device, torch.device) else device
+    if index is None or index == torch.cuda.current_device():
+        _run(steps, arguments)  # entering the device would change nothing: skip its cost
+        return
     with torch.cuda.device(device):
-        stream = torch.cuda.current_stream()
-        for step, args in zip(steps, arguments, strict=True):
-            kernel = step.kernel
-            if step.quick is not None and step.key not in settled:
-                arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
-                kernel = pick(step.key, step.quick, Launch(kernel, step.grid, args), arch,
-                              torch.cuda.is_current_stream_capturing())
-            if kernel in _launched:
-                ct.launch(stream, step.grid, kernel, args)
-                continue
-            # A first launch compiles (seconds, in silence otherwise); later ones of other
-            # signatures compile too, and say nothing.
-            name = kernel._pyfunc.__name__.removesuffix("_kernel")
-            log.info("%s: first launch in this process (compiles unless cached)", name)
-            start = time.perf_counter()
+        _run(steps, arguments)
+
+
+def _run(steps, arguments) -> None:
+    """:func:`run` on the current device."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    for step, args in zip(steps, arguments, strict=True):
+        kernel = step.kernel
+        if step.quick is not None and step.key not in settled:
+            arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
+            kernel = pick(step.key, step.quick, Launch(kernel, step.grid, args), arch,
+                          torch.cuda.is_current_stream_capturing())
+        if kernel in _launched:
             ct.launch(stream, step.grid, kernel, args)
-            _launched.add(kernel)
-            log.info("%s: launched after %.1f s", name, time.perf_counter() - start)
+            continue
+        # A first launch compiles (seconds, in silence otherwise); later ones of other
+        # signatures compile too, and say nothing.
+        name = kernel._pyfunc.__name__.removesuffix("_kernel")
+        log.info("%s: first launch in this process (compiles unless cached)", name)
+        start = time.perf_counter()
+        ct.launch(stream, step.grid, kernel, args)
+        _launched.add(kernel)
+        log.info("%s: launched after %.1f s", name, time.perf_counter() - start)
 
 
 @functools.lru_cache(maxsize=None)

@@ -262,3 +262,39 @@ def test_host_profile_writes_a_record_on_the_cpu(tmp_path, monkeypatch):
     phases = [*record["first_call_us"].values(), *record["repeated_call_us"].values()]
     assert all(math.isfinite(v) and v > 0 for v in phases)
     assert record["environment"] == {"gpu": None, "date": "d"} and "eager_ms" not in record
+
+
+def test_run_enters_the_device_once_and_only_when_it_is_not_current(monkeypatch):
+    """launch.run's GPU path with cuTile's launcher and torch.cuda stood in for: each step's
+    kernel, grid and argument tuple on the current stream, in order; the device entered once for
+    all steps, and only where it is not the current one; a step with a quick build whose key is
+    not settled asks launch.pick which kernel to launch."""
+    import contextlib
+
+    launched, entered = [], []
+    monkeypatch.setattr(launch.ct, "launch", lambda stream, grid, kernel, args: launched.append(
+        (stream, grid, kernel, args)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "stream")
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext(entered.append(d)))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(launch, "settled", set())
+    tuned, quick, other = object(), object(), object()
+    picked = []
+
+    def pick(key, q, record, arch, capturing):
+        picked.append((key, record.args, arch, capturing))
+        return q.quick
+
+    monkeypatch.setattr(launch, "pick", pick)
+    monkeypatch.setattr(launch, "_launched", {tuned, quick, other})
+    steps = (launch.Step(other, (1, 2, 3)),
+             launch.Step(tuned, (4, 1, 1), launch.QuickFirst(quick, None), ("key",)))
+    launch.run(steps, [(1, 2), (3,)], torch.device("cuda", 0))
+    assert launched == [("stream", (1, 2, 3), other, (1, 2)), ("stream", (4, 1, 1), quick, (3,))]
+    assert picked == [(("key",), (3,), "sm_90", False)] and not entered
+    launch.settled.add(("key",))
+    launch.run(steps, [(1, 2), (3,)], torch.device("cuda", 1))
+    assert launched[-1] == ("stream", (4, 1, 1), tuned, (3,))
+    assert entered == [torch.device("cuda", 1)] and len(picked) == 1
