@@ -237,6 +237,7 @@ class Inputs(NamedTuple):
 
 
 def _fp32(t):
+    """``t`` (None passes) as the kernels read A and dt_bias: fp32, contiguous."""
     return t if t is None or (t.dtype == torch.float32 and t.is_contiguous()) else (
         t.to(torch.float32).contiguous())
 

@@ -31,12 +31,14 @@ eagerly and as a CUDA-graph replay, and its signature's first-call path (``valid
 everything runs under ``ssd.launch.capture()`` on CPU tensors, which stand for the sm_90 GPU
 the defaults are tuned on (:data:`ssd.api.CAPTURE_GPU`).
 
-The record goes to ``--out`` (default on a GPU ``results/<gpu>/host_profile.json``; on the CPU
+``--cprofile N`` adds the N functions a repeated call spends most time in (cProfile). The
+record goes to ``--out`` (default on a GPU ``results/<gpu>/host_profile.json``; on the CPU
 only with ``--out``) with the environment (:mod:`ssd.tools.env`).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -65,11 +67,13 @@ def median_us(fn, reps: int, warmup: int = 20, after=None) -> float:
 
 
 def profile(dims=PROMPT_512, dtype="bfloat16", chunk_size=CHUNK_SIZE, device=None,
-            reps: int = 2000) -> dict:
+            reps: int = 2000, cprofile: int = 0) -> dict:
     """Time the host path of ``mamba_chunk_scan_combined`` on a problem of ``dims`` (b, l, h, p,
     n, g) called as a Mamba-2 layer calls it (D per head, dt_bias, softplus:
     :func:`ssd.tools.bench.make_inputs`), per phase (see the module docstring); ``device`` None:
-    CUDA where there is a GPU, else the CPU under capture. Returns the record."""
+    CUDA where there is a GPU, else the CPU under capture. ``cprofile``: also the costliest
+    functions of ``reps`` repeated calls under cProfile, that many (as text, key "cprofile").
+    Returns the record."""
     import torch
 
     from .. import api, launch
@@ -130,7 +134,29 @@ def profile(dims=PROMPT_512, dtype="bfloat16", chunk_size=CHUNK_SIZE, device=Non
                   first_call_us=first, repeated_call_us=repeated)
     if gpu:
         record.update(gpu_timings(plan, arguments, x.device, call, first_call, reps, record))
+    if cprofile:  # after gpu_timings: the kernels are compiled, the plan made
+        with contextlib.nullcontext([]) if gpu else launch.capture() as records:
+            record["cprofile"] = profiled(call, reps, cprofile,
+                                          torch.cuda.synchronize if gpu else records.clear)
     return record
+
+
+def profiled(call, reps: int, top: int, after) -> str:
+    """The ``top`` functions of ``reps`` calls of ``call`` (``after()`` after each) by their own
+    time under cProfile, as pstats prints them."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        prof.enable()
+        call()
+        prof.disable()
+        after()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def gpu_timings(plan, arguments, device, call, first_call, reps: int, record: dict) -> dict:
@@ -144,7 +170,8 @@ def gpu_timings(plan, arguments, device, call, first_call, reps: int, record: di
     from .bench import time_fn
 
     sync = torch.cuda.synchronize
-    call(), first_call()  # compile (or load) every kernel; the quick build runs meanwhile
+    call()  # compiles (or loads) every kernel; the quick build runs meanwhile
+    first_call()
     launch.wait_tuned()
     call()  # the tuned builds from now on
     sync()
@@ -200,13 +227,18 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"),
                         help="default: cuda where there is a GPU, else the CPU under capture")
     parser.add_argument("--reps", type=int, default=2000)
+    parser.add_argument("--cprofile", type=int, default=0, metavar="N",
+                        help="also print the N costliest functions of a repeated call")
     parser.add_argument("--out", help="output JSON (default on a GPU: "
                                       "results/<gpu>/host_profile.json)")
     args = parser.parse_args(argv)
-    record = profile(args.dims, args.dtype, args.chunk_size, args.device, args.reps)
+    record = profile(args.dims, args.dtype, args.chunk_size, args.device, args.reps,
+                     args.cprofile)
     env = environment()
     record["environment"] = env
     print(table(record))
+    if args.cprofile:
+        print(record["cprofile"])
     out = args.out or (RESULTS / gpu_slug(env) / "host_profile.json"
                        if record["device"] == "cuda" else None)
     if out:
