@@ -22,8 +22,10 @@ recomputes); the backward is :mod:`ssd.backward`, the stages' gradients in PyTor
 A call's host path -- its checks, its configuration, what its launchers compute and allocate --
 depends on its tensors' dtypes, shapes, strides and devices and on its other arguments, never on
 its tensors' values. So the first call of each such signature (:func:`plan_key`) runs in full and
-is traced once (:func:`make_plan`); later calls replay its :class:`Plan`: fresh outputs, the
-recorded launches with this call's tensors in place, none of the checks or launcher code again.
+keeps its :class:`Plan` (checks passed, configuration); the second is traced once
+(:func:`make_plan`, dearer than a call: a signature seen once, such as a new prompt length,
+does not pay it); later calls replay the plan: fresh outputs, the recorded launches with this
+call's tensors in place, none of the checks or launcher code again.
 
 Value checks that would need the GPU to report back (A <= 0, finite inputs, seq_idx
 non-decreasing, cu_seqlens' offsets) would force a device synchronisation and break CUDA-graph capture, so they run
@@ -321,9 +323,9 @@ MAX_PLANS = 256  # beyond this many signatures the oldest plan is dropped
 
 @dataclass(frozen=True)
 class Plan:
-    """What every call of one :func:`plan_key` does after the first: its checks passed
-    (``dims``, :func:`validate`'s sizes), its configuration resolved, and where it can be
-    replayed, its launches.
+    """What the calls of one :func:`plan_key` after the first skip: its checks passed (``dims``,
+    :func:`validate`'s sizes) and its configuration resolved; from the second call on (the
+    signature recurs: :func:`make_plan` traces it once), where it can be replayed, its launches.
 
     steps: the launches (:class:`ssd.launch.Step`), in order; None where the stages compute
         something besides allocating and launching (then each call runs :func:`run_stages`).
@@ -334,6 +336,7 @@ class Plan:
     picks: per step, the positions of its arguments in ``pool + inputs + blanks``.
     results: per name of RESULTS, its position in blanks (None where the call has none).
     held: the caller's config object, kept alive: the key holds its id.
+    traced: whether :func:`make_plan` made it (a first call's plan holds checks and config only).
     """
     config: SSDConfig
     dims: dict
@@ -343,6 +346,7 @@ class Plan:
     picks: tuple = ()
     results: tuple = ()
     held: object = None
+    traced: bool = False
 
     def allocate(self, device) -> tuple:
         """Fresh tensors for this call's blanks."""
@@ -413,7 +417,7 @@ def make_plan(inputs: Inputs, chunk_size: int, dt_softplus, dt_limit, config: SS
     tensor the stages allocated blank, a stand-in for an absent input, or a constant. A plan
     without steps where the stages ran any other torch op or passed any other tensor; None where
     two inputs are one tensor (which role a launch argument plays is then unknown; the call runs
-    in full and no plan is kept)."""
+    in full and a later call traces again)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     roles = {id(t): i for i, t in enumerate(inputs) if t is not None}
@@ -437,7 +441,7 @@ def make_plan(inputs: Inputs, chunk_size: int, dt_softplus, dt_limit, config: SS
 
     with _launch.trace() as seen, Ops() as ops:
         r = run_stages(inputs, chunk_size, dt_softplus, dt_limit, config)
-    plain = Plan(config, dims, held=held)
+    plain = Plan(config, dims, held=held, traced=True)
     if ops.other:
         return plain
     pool, blanks, where, refs = [], [], {}, []
@@ -465,7 +469,8 @@ def make_plan(inputs: Inputs, chunk_size: int, dt_softplus, dt_limit, config: SS
                   for record, quick in seen.launches)
     return Plan(config, dims, steps, tuple(blanks), tuple(pool),
                 tuple(_picker(tuple(base[kind] + i for kind, i in step)) for step in refs),
-                tuple(where[id(r[name])] if name in r else None for name in RESULTS), held)
+                tuple(where[id(r[name])] if name in r else None for name in RESULTS), held,
+                traced=True)
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -507,7 +512,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     A gradient flowing into varlen_states raises NotImplementedError (in the backward).
 
     A call whose tensors' dtypes, shapes, strides and devices and other arguments were seen
-    before replays that call's :class:`Plan`: no checks but check_values', no launcher code.
+    before skips the checks but check_values'; from the second such call on it replays its
+    :class:`Plan` (traced at that call): no launcher code either.
     The first call for a new shape or configuration compiles its kernels (seconds). chunk_scan's
     tuned build then compiles in a child process while a quick build computes the same values
     (:mod:`ssd.launch`); call :func:`ssd.wait_tuned` before timing this function.
@@ -537,13 +543,15 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
             cu_seqlens=varlen), return_final_states, return_varlen_states)
     inputs = prepare(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
                      initial_states=initial_states, seq_idx=seq_idx, cu_seqlens=varlen)
-    if plan is None:
-        resolved = resolve_config(config, chunk_size, x, B)
-        plan = make_plan(inputs, chunk_size, dt_softplus, dt_limit, resolved, dims, held=config)
-        if plan is None:  # two inputs are one tensor: run in full, keep no plan
-            return _returned(run_stages(inputs, chunk_size, dt_softplus, dt_limit, resolved),
-                             return_final_states, return_varlen_states)
+    if plan is None:  # a first call: remember its checks and configuration, trace nothing yet
+        plan = Plan(resolve_config(config, chunk_size, x, B), dims, held=config)
         _remember(key, plan)
+    elif not plan.traced:  # a second call: the signature recurs, worth a trace (make_plan)
+        traced = make_plan(inputs, chunk_size, dt_softplus, dt_limit, plan.config, plan.dims,
+                           held=config)
+        if traced is not None:
+            plan = traced
+            _remember(key, plan)
     r = (plan.replay(inputs, x.device) if plan.steps is not None
          else run_stages(inputs, chunk_size, dt_softplus, dt_limit, plan.config))
     return _returned(r, return_final_states, return_varlen_states)

@@ -1,5 +1,6 @@
-"""The forward's host path on the CPU: plans (ssd.api) replay exactly the launches the launchers
-make, a key that differs in any element misses, every check still raises, and
+"""The forward's host path on the CPU: plans (ssd.api) keep a signature's checks and
+configuration at its first call and replay, from its second, exactly the launches the launchers
+make; a key that differs in any element misses, every check still raises, and
 ``python -m ssd.tools.host_profile`` writes a well-formed record. Launches are recorded
 (``ssd.launch.capture``), under which CPU tensors stand for an sm_90 GPU."""
 import json
@@ -142,15 +143,18 @@ def test_a_replay_launches_what_the_launchers_launch(case, checks):
     args = CASES[case]()
     reference = uncached(args)
     caller = tensors(args)
-    first, recorded = call(args)
+    first, recorded = call(args)  # checked, configured, run in full
     assert_same_launches(recorded, reference, caller)
     assert len(checks) == 1 and len(api._plans) == 1
+    assert not next(iter(api._plans.values())).traced
+    _, traced = call(args)  # traced, then replayed
+    assert_same_launches(traced, reference, caller)
     plan = next(iter(api._plans.values()))
     assert plan.steps is not None, "every case is replayable"
     with Ops() as ops:
         second, replayed = call(args)
     assert_same_launches(replayed, reference, caller)
-    assert len(checks) == 1, "a replay checks nothing again"
+    assert len(checks) == 1, "no call checks again"
     # what a replay computes: the blanks, and api.prepare's copies; nothing else
     assert ops.names.count("empty_strided.default") == len(plan.blanks)
     assert [n for n in ops.names if n not in BLANK] == PREPARED.get(case, [])
@@ -166,7 +170,7 @@ def test_the_2_7b_prompt_allocates_only_its_outputs_and_intermediates():
     dA_cumsum and prev_states (the launchers also allocated a stand-in for each of eleven absent
     inputs at every call) and runs no other torch op."""
     args = inputs(1, 512, 80, 64, 128, 1, layer=True, return_final_states=True)
-    call(args)
+    call(args), call(args)
     with Ops() as ops:
         call(args)
     assert [n for n in ops.names if n != "detach.default"] == ["empty_strided.default"] * 5
@@ -192,15 +196,15 @@ VARIANTS = {
 def test_changing_any_element_of_the_key_misses(checks):
     base = inputs(layer=True)
     call(base)
-    call(inputs(layer=True, seed=1))  # other values, the same signature: a replay
+    call(inputs(layer=True, seed=1))  # other values, the same signature: traced and replayed
     assert len(checks) == 1 and len(api._plans) == 1
     for n, (name, vary) in enumerate(VARIANTS.items(), start=2):
         args = vary(base)
-        _, recorded = call(args)
-        assert len(checks) == n and len(api._plans) == n, name
-        assert_same_launches(recorded, uncached(args), tensors(args))
         call(args)
+        assert len(checks) == n and len(api._plans) == n, name
+        _, replayed = call(args)
         assert len(checks) == n, f"{name}: the second call replays"
+        assert_same_launches(replayed, uncached(args), tensors(args))
 
 
 def test_every_check_still_raises_after_a_plan():
@@ -225,12 +229,19 @@ def test_every_check_still_raises_after_a_plan():
         api.mamba_chunk_scan_combined(**args)
 
 
-def test_one_tensor_in_two_roles_runs_in_full_and_keeps_no_plan():
+def test_one_tensor_in_two_roles_is_never_traced():
+    """Which role a launch argument plays is unknown where two inputs are one tensor: such a call
+    runs in full, and the signature's plan stays untraced (a later call of distinct tensors
+    traces it)."""
     args = inputs(layer=True)
     args["C"] = args["B"]
-    _, recorded = call(args)
-    assert_same_launches(recorded, uncached(args), tensors(args))
-    assert not api._plans
+    for _ in range(3):
+        _, recorded = call(args)
+        assert_same_launches(recorded, uncached(args), tensors(args))
+    (plan,) = api._plans.values()
+    assert not plan.traced
+    call(dict(args, C=args["B"].clone()))
+    assert next(iter(api._plans.values())).steps is not None
 
 
 def test_stages_that_compute_keep_a_plan_without_steps(monkeypatch, checks):
@@ -239,12 +250,12 @@ def test_stages_that_compute_keep_a_plan_without_steps(monkeypatch, checks):
     cumsum = api._cumsum.chunk_cumsum
     monkeypatch.setattr(api._cumsum, "chunk_cumsum", lambda dt, *a, **k: cumsum(dt * 1, *a, **k))
     args = inputs(layer=True)
-    for _ in range(2):
+    for _ in range(3):
         _, recorded = call(args)
         copied = {k: v for k, v in args.items() if k != "dt"}
         assert_same_launches(recorded, uncached(args), tensors(copied))
     (plan,) = api._plans.values()
-    assert plan.steps is None and len(checks) == 1
+    assert plan.traced and plan.steps is None and len(checks) == 1
 
 
 def test_host_profile_writes_a_record_on_the_cpu(tmp_path, monkeypatch):
