@@ -27,6 +27,14 @@ keeps its :class:`Plan` (checks passed, configuration); the second is traced onc
 does not pay it); later calls replay the plan: fresh outputs, the recorded launches with this
 call's tensors in place, none of the checks or launcher code again.
 
+The invariant: a replay launches exactly what :func:`forward_stages` launches for this call --
+the same kernels, grids and constants, each of this call's (prepared) tensors where the
+launchers pass it, fresh outputs -- or the call does not replay. It replays only where its key
+equals the traced call's, no input requires a gradient (:mod:`ssd.autograd` then runs the full
+forward and saves what the backward reads), and the trace saw the stages only allocate and
+launch, each argument an input, a fresh allocation, a stand-in or a constant. Otherwise it runs
+in full: checked where its key is new (or cannot be made), configured, launched.
+
 Value checks that would need the GPU to report back (A <= 0, finite inputs, seq_idx
 non-decreasing, cu_seqlens' offsets) would force a device synchronisation and break CUDA-graph capture, so they run
 only with ``check_values=True``. Inputs may be non-contiguous (kernels take strides); a tensor

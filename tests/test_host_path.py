@@ -1,6 +1,8 @@
 """The forward's host path on the CPU: plans (ssd.api) keep a signature's checks and
 configuration at its first call and replay, from its second, exactly the launches the launchers
-make; a key that differs in any element misses, every check still raises, and
+make for that call's own tensors (ssd.api's invariant); a key that differs in any element
+(dtype, shape, stride, device, each argument, the varlen ones) misses, every check still
+raises, a call that needs a gradient runs in full under autograd, and
 ``python -m ssd.tools.host_profile`` writes a well-formed record. Launches are recorded
 (``ssd.launch.capture``), under which CPU tensors stand for an sm_90 GPU."""
 import json
@@ -184,12 +186,15 @@ VARIANTS = {
     "dt_bias absent": lambda a: {k: v for k, v in a.items() if k != "dt_bias"},
     "D per channel": lambda a: dict(a, D=torch.randn(8, 32)),
     "initial_states present": lambda a: dict(a, initial_states=torch.randn(2, 8, 32, 64)),
+    "initial_states' dtype": lambda a: dict(a, initial_states=torch.randn(2, 8, 32, 64).to(bf16)),
+    "dt_bias' dtype": lambda a: dict(a, dt_bias=a["dt_bias"].to(bf16)),
     "a config": lambda a: dict(a, config=SSDConfig()),
     "an equal config": lambda a: dict(a, config=SSDConfig()),  # another object: another key
     "chunk size": lambda a: dict(a, chunk_size=128),
     "dt_limit": lambda a: dict(a, dt_limit=(0.0, 0.5)),
     "dt_softplus": lambda a: dict(a, dt_softplus=False),
     "seq_idx present": lambda a: dict(a, seq_idx=torch.zeros(2, 200, dtype=torch.int32)),
+    "seq_idx's dtype": lambda a: dict(a, seq_idx=torch.zeros(2, 200, dtype=torch.int64)),
 }
 
 
@@ -309,3 +314,107 @@ def test_run_enters_the_device_once_and_only_when_it_is_not_current(monkeypatch)
     launch.run(steps, [(1, 2), (3,)], torch.device("cuda", 1))
     assert launched[-1] == ("stream", (4, 1, 1), tuned, (3,))
     assert entered == [torch.device("cuda", 1)] and len(picked) == 1
+
+
+def test_interleaved_signatures_each_launch_their_own_call():
+    """Calls of several signatures in turn, fresh tensors at every call: each launches what the
+    launchers launch for its own tensors, never a plan's earlier tensors nor another
+    signature's launches."""
+    for _ in range(3):
+        for case in ("layer", "every-input", "varlen", "strided-x-bf16-A"):
+            args = CASES[case]()
+            _, recorded = call(args)
+            assert_same_launches(recorded, uncached(args), tensors(args))
+    assert len(api._plans) == 4 and all(p.steps is not None for p in api._plans.values())
+
+
+def test_varlen_arguments_replay_or_miss(checks):
+    """cu_seqlens is read only with return_varlen_states (mamba_ssm's rule): without it the call
+    is keyed and launched as one without cu_seqlens; its dtype, its number of sequences and
+    return_varlen_states are in the key; return_final_states only picks what comes back."""
+    base = packed()
+    call(base), call(base)
+    plain = dict(base, return_varlen_states=False)
+    out, recorded = call(plain)
+    assert len(out) == 2 and len(checks) == 2
+    assert_same_launches(recorded, uncached(plain), tensors(plain))
+    no_cu = {k: v for k, v in plain.items() if k != "cu_seqlens"}
+    call(no_cu)
+    assert len(checks) == 2, "cu_seqlens without return_varlen_states: the same key"
+    cu4 = torch.tensor([0, 1, 71, 150, 200], dtype=torch.int32)
+    seq4 = torch.repeat_interleave(torch.arange(4, dtype=torch.int32), cu4.diff()).reshape(1, 200)
+    for n, over in enumerate([dict(cu_seqlens=base["cu_seqlens"].long()),
+                              dict(cu_seqlens=cu4, seq_idx=seq4)], start=3):
+        args = dict(base, **over)
+        call(args)
+        out, replayed = call(args)
+        assert len(checks) == n and out[2].shape[0] == len(args["cu_seqlens"]) - 1
+        assert_same_launches(replayed, uncached(args), tensors(args))
+    (y, states), replayed = call(dict(base, return_final_states=False))
+    assert len(checks) == 4 and states.shape == (3, 8, 32, 64)
+    assert_same_launches(replayed, uncached(base), tensors(base))
+    # a replay checks values where asked for: seq_idx's order, cu_seqlens' offsets
+    backwards = dict(base, seq_idx=base["seq_idx"].flip(1).contiguous(), check_values=True)
+    with pytest.raises(ValueError, match="^seq_idx: must be >= 0 and non-decreasing"):
+        call(backwards)
+    moved = dict(base, cu_seqlens=torch.tensor([0, 2, 71, 200], dtype=torch.int32),
+                 check_values=True)
+    with pytest.raises(ValueError, match="^cu_seqlens"):
+        call(moved)
+    assert len(checks) == 4
+
+
+def test_another_device_misses_and_is_checked():
+    """The key holds each tensor's device: the same signature on another device is checked
+    again (meta tensors fail the device check, as a second GPU's would pass or fail it)."""
+    args = inputs(layer=True)
+    call(args), call(args)
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    with pytest.raises(ValueError, match="^x: must be a CUDA tensor"):
+        call(meta)
+    with pytest.raises(ValueError, match="^B: on meta, but x is on cpu"):
+        call(dict(args, B=meta["B"]))
+
+
+def test_a_call_that_needs_a_gradient_never_replays(monkeypatch):
+    """Where an input requires grad, the call runs the full forward inside ssd.autograd (which
+    saves what the backward reads), even after its signature's plan is traced; its output and
+    gradients equal those of a process without plans. Under no_grad the same tensors replay.
+    The stages are the float64 NumPy ladder here (ssd.autograd.reference_stages): values on the
+    CPU."""
+    from ssd import autograd
+
+    stages = []
+    monkeypatch.setattr(api, "forward_stages", lambda *a, **k: stages.append(1) or
+                        autograd.reference_stages(*a, **k))
+    seq = torch.tensor([[0] * 40 + [1] * 60], dtype=torch.int32)
+    args = inputs(1, 100, 4, 8, 16, 1, dtype=torch.float32, layer=True, seq_idx=seq,
+                  z=torch.randn(1, 100, 4, 8), initial_states=torch.randn(1, 4, 8, 16),
+                  chunk_size=32, return_final_states=True)
+    _, reference = call(args)  # run in full: the launchers' launches
+    call(args)  # traced
+    assert next(iter(api._plans.values())).steps is not None and not stages
+
+    def gradients():
+        leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point())
+                  if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+        (y, final), _ = call(leaves)
+        assert type(y.grad_fn).__name__ == "ChunkScanCombinedBackward"
+        (y.square().sum() + final.sum()).backward()
+        return y.detach(), [leaves[k].grad for k in ("x", "dt", "A", "B", "C", "D", "z",
+                                                       "dt_bias", "initial_states")]
+
+    y, grads = gradients()
+    assert len(stages) == 1, "the full forward, under autograd"
+    plan_key = api.plan_key
+    monkeypatch.setattr(api, "plan_key", lambda *a, **k: None)  # as without plans
+    y_plain, grads_plain = gradients()
+    assert torch.equal(y, y_plain)
+    assert all(g is not None and torch.equal(g, h) for g, h in zip(grads, grads_plain))
+    monkeypatch.setattr(api, "plan_key", plan_key)
+    for t in tensors(args):
+        t.requires_grad_(t.is_floating_point())
+    with torch.no_grad():
+        (y, _), replayed = call(args)
+    assert y.grad_fn is None and len(stages) == 2, "replayed: no forward_stages"
+    assert_same_launches(replayed, reference, tensors(args))
