@@ -76,3 +76,25 @@ def test_every_call_of_a_signature_returns_what_the_launchers_compute(dims, pack
     torch.cuda.synchronize()
     for name, a, b in zip(("y", "final_states", "varlen_states"), captured, expected):
         assert torch.equal(a, b), f"seed {RUN_SEED}, graph replay: {name} differs"
+
+
+def test_a_call_that_needs_a_gradient_after_replays_runs_in_full():
+    """Once a signature replays, the same call on inputs that require grad runs the full forward
+    under autograd (ssd.api's invariant): its y and final_states are exactly the launchers', and
+    the backward gives every input a finite gradient."""
+    kw = layer_call((1, 300, 8, 64, 128, 2), RUN_SEED)
+    api._plans.clear()
+    expected = launchers(kw)
+    launch.wait_tuned()
+    for _ in range(3):
+        api.mamba_chunk_scan_combined(**kw)
+    assert next(iter(api._plans.values())).steps is not None
+    leaves = {k: v.detach().clone().requires_grad_() if isinstance(v, torch.Tensor) else v
+              for k, v in kw.items()}
+    y, final = api.mamba_chunk_scan_combined(**leaves)
+    assert type(y.grad_fn).__name__ == "ChunkScanCombinedBackward"
+    assert torch.equal(y.detach(), expected[0]) and torch.equal(final.detach(), expected[1])
+    (y.float().square().sum() + final.sum()).backward()
+    for name in ("x", "dt", "A", "B", "C", "D", "dt_bias"):
+        grad = leaves[name].grad
+        assert grad is not None and torch.isfinite(grad).all(), f"seed {RUN_SEED}: d{name}"
