@@ -72,7 +72,9 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 #   gpu-models-2       and the others, merged into one models.json (about two minutes
 #                      a shape, most of it compiling and mamba_ssm's autotuning)
 #   gpu-bench          the serving suite, and TileGym tuned replayed beside ours
-#   gpu-study          the layout study, the SSD's share of the layer, a prefill grid
+#   gpu-study          the layout study
+#   gpu-layer          both layers and mamba_ssm's Mamba2: the SSD's share, the rest's
+#                      floor; a prefill grid (endtoend.json)
 #   gpu-serving        the decode step against mamba_ssm's (decode.json) and the
 #                      serving scenario: a packed prefill, then decoding
 #                      (serving_scenario.json)
@@ -93,13 +95,13 @@ MODELS_2 ?= codestral-7b,small-state
 BACKWARD_1 ?= 130m,2.7b
 BACKWARD_2 ?= long-16k,codestral-7b
 BACKWARD_3 ?= small-state
-.PHONY: gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-serving \
+.PHONY: gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-robust-6 \
   gpu-robust-7 gpu-robust-8 gpu-backward-1 gpu-backward-2 gpu-backward-3 gpu-train-mqar \
   gpu-train-step-1 gpu-train-step-2 gpu-results gpu-tilegym
-gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-serving gpu-robust-1 \
-  gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-robust-6 gpu-robust-7 \
-  gpu-robust-8 gpu-backward-1 gpu-backward-2 gpu-backward-3 gpu-train-mqar \
+gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
+  gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-robust-6 \
+  gpu-robust-7 gpu-robust-8 gpu-backward-1 gpu-backward-2 gpu-backward-3 gpu-train-mqar \
   gpu-train-step-1 gpu-train-step-2 gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
@@ -115,6 +117,7 @@ gpu-bench:
 	  --tilegym-replay --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/tilegym_replayed.json
 gpu-study:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite study --reps 20
+gpu-layer:
 	$(GPU_PYTHON) -m ssd.tools.endtoend --only share --reps 10 --chunk-size cutile=64
 	$(GPU_PYTHON) -m ssd.tools.endtoend --only prefill --quick --layers 8 --prefill-reps 5 \
 	  --chunk-size cutile=64

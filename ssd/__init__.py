@@ -3,7 +3,8 @@
 * ``ssd.reference``  NumPy ladder (recurrence, quadratic form, chunked stages); CPU only.
 * ``ssd.problem``    named problem shapes with seeded inputs and per-stage references.
 * ``ssd.mamba_chunk_scan_combined``  the cuTile forward (needs an NVIDIA GPU, torch and
-  cuda-tile), differentiable (``ssd.autograd``, the backward of ``ssd.backward`` in PyTorch);
+  cuda-tile), differentiable (``ssd.autograd``, the backward of ``ssd.backward``: cuTile stage
+  kernels where one exists, PyTorch for the others);
   imported lazily so that the CPU chapters need neither.
 * ``ssd.selective_state_update``  the decode step (one token advances each state in place),
   mamba_ssm's signature; also lazy.

@@ -17,7 +17,8 @@ where it ends and the state stage 2 stored for that chunk.
 
 Where a gradient is required, the same forward runs inside a ``torch.autograd.Function``
 (:mod:`ssd.autograd`, which says what it saves for the backward and what the backward
-recomputes); the backward is :mod:`ssd.backward`, the stages' gradients in PyTorch.
+recomputes); the backward is :mod:`ssd.backward`, the stages' gradients, in cuTile kernels
+where one exists (``ssd.kernels.<stage>_backward``) and PyTorch for the others.
 
 A call's host path -- its checks, its configuration, what its launchers compute and allocate --
 depends on its tensors' dtypes, shapes, strides and devices and on its other arguments, never on
@@ -485,7 +486,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                               initial_states=None, seq_idx=None, cu_seqlens=None,
                               dt_softplus=False, dt_limit=(0.0, float("inf")),
                               return_final_states=False, return_varlen_states=False, *,
-                              config: SSDConfig | None = None, check_values: bool = False):
+                              config: SSDConfig | None = None, check_values: bool = False,
+                              backwards=None):
     """Mamba-2 SSD with mamba_ssm's signature, shapes, dtypes and semantics.
 
     Differentiable: where grad mode is on and an input requires grad, the call goes through
@@ -512,6 +514,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
         config: tile/layout choices (default per GPU architecture).
         check_values: also check A <= 0, finite inputs, seq_idx order and cu_seqlens' offsets
             (synchronises).
+        backwards: the :class:`ssd.backward.StageBackwards` the backward composes (None: the
+            cuTile kernels where one exists; ``ssd.backward.TORCH_BACKWARDS``: PyTorch alone).
     Returns:
         y (b, l, h, p) in x's dtype, or (y, final_states) with return_final_states; with
         return_varlen_states, varlen_states comes last: (y, varlen_states) or (y,
@@ -542,7 +546,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
             x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
             seq_idx=seq_idx, cu_seqlens=cu_seqlens, dt_softplus=dt_softplus, dt_limit=dt_limit,
             return_final_states=return_final_states, return_varlen_states=return_varlen_states,
-            stages=forward_stages, config=config)
+            stages=forward_stages, config=config, backwards=backwards)
     varlen = cu_seqlens if return_varlen_states else None
     if key is None:  # arguments a key cannot hold exactly: the whole forward at every call
         return _returned(forward_stages(

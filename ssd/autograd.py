@@ -4,8 +4,11 @@ backward of :mod:`ssd.backward`.
 :class:`ChunkScanCombined` runs an injected forward -- any function with the signature and the
 result of :func:`ssd.api.forward_stages` (the cuTile stages on a GPU; in the CPU tests
 :func:`reference_stages`, the float64 NumPy ladder, or :func:`torch_stages`, the same in
-PyTorch) -- and differentiates it with
-:func:`ssd.backward.ssd_chunked_backward_torch`. :func:`chunk_scan_combined` wraps it with
+PyTorch) -- and differentiates it with :func:`ssd.backward.ssd_chunked_backward`, each stage's
+backward from a :class:`ssd.backward.StageBackwards` table: by default the one for the inputs'
+device (:func:`ssd.backward.default_backwards`: the cuTile kernels on a GPU, PyTorch on the
+CPU); ``backwards=ssd.backward.TORCH_BACKWARDS`` forces PyTorch (to compare the two, or where
+the book shows the PyTorch rungs). :func:`chunk_scan_combined` wraps it with
 mamba_ssm's signature and return convention; ``ssd.api.mamba_chunk_scan_combined`` calls it only
 where a gradient is required (grad mode on and some input requiring grad), so a call without one
 saves nothing and runs exactly as before.
@@ -44,7 +47,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from .backward import ssd_chunked_backward_torch
+from .backward import StageBackwards, ssd_chunked_backward
 
 INF = float("inf")
 #: The differentiable inputs, in the Function's argument order.
@@ -60,6 +63,7 @@ class Options(NamedTuple):
     stages: Callable  # ssd.api.forward_stages' signature and result
     config: object = None  # handed to ``stages`` (an ssd.SSDConfig for the cuTile forward)
     cu_seqlens: torch.Tensor | None = None  # with return_varlen_states only
+    backwards: StageBackwards | None = None  # each stage's backward (None: for the device)
 
 
 def requires_grad(*tensors) -> bool:
@@ -116,12 +120,13 @@ class ChunkScanCombined(torch.autograd.Function):
             return (None,) * (len(INPUTS) + 2)
         named = dict(zip(INPUTS, inputs))
         opts = ctx.opts
-        grads = ssd_chunked_backward_torch(
+        grads = ssd_chunked_backward(
             dy, *(named[k] for k in ("x", "dt", "A", "B", "C")), opts.chunk_size,
             D=named["D"], z=named["z"], dt_bias=named["dt_bias"],
             initial_states=named["initial_states"], seq_idx=seq_idx,
             dt_softplus=opts.dt_softplus, dt_limit=opts.dt_limit, dfinal_states=dfinal_states,
-            dt_out=dt_out, dA_cumsum=dA_cumsum, prev_states=prev_states)
+            dt_out=dt_out, dA_cumsum=dA_cumsum, prev_states=prev_states,
+            backwards=opts.backwards)
         out = [grads["d" + k].to(t.dtype) if t is not None and ctx.needs_input_grad[i + 1] else None
                for i, (k, t) in enumerate(named.items())]
         return (None, *out, None)
@@ -130,18 +135,20 @@ class ChunkScanCombined(torch.autograd.Function):
 def chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                         initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                         dt_limit=(0.0, INF), return_final_states=False,
-                        return_varlen_states=False, *, stages, config=None):
+                        return_varlen_states=False, *, stages, config=None, backwards=None):
     """The differentiable SSD with mamba_ssm's signature and return convention, its forward
     ``stages`` (:func:`ssd.api.forward_stages` or one with its signature and result).
 
     Args:
         (as ``ssd.mamba_chunk_scan_combined``; the arguments are not validated here), plus
-        stages: the forward to run; config: handed to it.
+        stages: the forward to run; config: handed to it; backwards: the
+            :class:`ssd.backward.StageBackwards` to differentiate it with (None: the default
+            for the inputs' device).
     Returns:
         y, or (y, final_states), with varlen_states last under return_varlen_states.
     """
     opts = Options(chunk_size, dt_softplus, tuple(dt_limit), stages, config,
-                   cu_seqlens if return_varlen_states else None)
+                   cu_seqlens if return_varlen_states else None, backwards)
     out = ChunkScanCombined.apply(opts, x, dt, A, B, C, D, z, dt_bias, initial_states, seq_idx)
     y, final_states = out[:2]
     result = (y, final_states) if return_final_states else (y,)

@@ -1,22 +1,26 @@
-r"""The SSD backward pass in PyTorch, stage by stage: ``ssd.reference_backward`` on tensors.
+r"""The SSD backward pass, stage by stage: ``ssd.reference_backward`` on tensors.
 
 One function per stage, each named after its NumPy reference with a ``_torch`` suffix and
-returning the same dict of gradients, so that each can later give way to a cuTile kernel
-behind the same boundary::
+returning the same dict of gradients; a cuTile kernel stands behind the same boundary
+(``ssd.kernels.<stage>_backward``, ``<stage>_backward_cutile``: same arguments, same dict)::
 
     chunk_scan_backward_torch -> state_passing_backward_torch -> chunk_state_backward_torch
         -> chunk_cumsum_backward_torch (-> prepare_dt_backward_torch)
 
-composed in reverse stage order by :func:`ssd_chunked_backward_torch`. The derivation is the
-module docstring of ``ssd.reference_backward``; the code below follows it line for line, batched
-over chunks, heads and the batch with einsums (one bmm each), on any device.
+composed in reverse stage order by :func:`ssd_chunked_backward`, which takes each stage's
+implementation from one :class:`StageBackwards` table: :data:`TORCH_BACKWARDS` on the CPU (and
+for float64), :func:`cutile_backwards` on a GPU (the cuTile kernels where one exists; chunk_scan's
+backward is PyTorch); :func:`ssd_chunked_backward_torch` is the composition of the PyTorch
+stages alone. The derivation is the module docstring of ``ssd.reference_backward``; the code
+below follows it line for line, batched over chunks, heads and the batch with einsums (one bmm
+each), on any device.
 
 Differences from the NumPy rungs, all about what is read rather than what is computed:
 
 * The forward's intermediates are arguments: ``dt_out`` and ``dA_cumsum`` (b, h, c, q), and the
   entering states ``prev_states`` (b, c, h, p, n), which ``state_passing_backward_torch`` takes
   instead of the per-chunk states the reference rebuilds them from. Whatever
-  :func:`ssd_chunked_backward_torch` is not given it recomputes with the forward stages here
+  :func:`ssd_chunked_backward` is not given it recomputes with the forward stages here
   (:func:`chunk_cumsum_torch`, :func:`chunk_state_torch`, :func:`state_passing_torch`; with
   :func:`chunk_scan_torch` they make a whole forward, ``ssd.autograd.torch_stages``).
 * B and C are read per group and never expanded to heads: heads are split as (g, r), r = h / g
@@ -34,7 +38,7 @@ matrix per head and chunk.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +51,12 @@ __all__ = [
     "chunk_state_backward_torch",
     "state_passing_backward_torch",
     "chunk_scan_backward_torch",
+    "ssd_chunked_backward",
     "ssd_chunked_backward_torch",
+    "StageBackwards",
+    "TORCH_BACKWARDS",
+    "cutile_backwards",
+    "default_backwards",
     "chunk_cumsum_torch",
     "chunk_state_torch",
     "state_passing_torch",
@@ -461,12 +470,49 @@ def chunk_scan_backward_torch(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=Non
 # --------------------------------------------------------------------------------------
 
 
-def ssd_chunked_backward_torch(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
-                               initial_states=None, seq_idx=None, dt_softplus=False,
-                               dt_limit=(0.0, INF), *, dfinal_states=None, dt_out=None,
-                               dA_cumsum=None, prev_states=None):
+class StageBackwards(NamedTuple):
+    """One implementation of each stage's backward, each with the arguments and result of its
+    ``*_backward_torch`` function: the table :func:`ssd_chunked_backward` composes."""
+
+    chunk_scan: Callable
+    state_passing: Callable
+    chunk_state: Callable
+    chunk_cumsum: Callable
+
+
+#: Every stage in PyTorch: the CPU's, float64's, and the path to compare the kernels with.
+TORCH_BACKWARDS = StageBackwards(chunk_scan_backward_torch, state_passing_backward_torch,
+                                 chunk_state_backward_torch, chunk_cumsum_backward_torch)
+
+
+def cutile_backwards() -> StageBackwards:
+    """The cuTile kernels where one exists (``ssd.kernels.<stage>_backward``), PyTorch for the
+    others (chunk_scan). Imported on call: the CPU path needs no cuTile."""
+    from .kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
+    from .kernels.chunk_state_backward import chunk_state_backward_cutile
+    from .kernels.state_passing_backward import state_passing_backward_cutile
+
+    return TORCH_BACKWARDS._replace(state_passing=state_passing_backward_cutile,
+                                    chunk_state=chunk_state_backward_cutile,
+                                    chunk_cumsum=chunk_cumsum_backward_cutile)
+
+
+def default_backwards(x: torch.Tensor) -> StageBackwards:
+    """The table for x's device and dtype: :func:`cutile_backwards` on a CUDA device, where the
+    compute dtype is float32 (the kernels compute in fp32); :data:`TORCH_BACKWARDS` otherwise
+    (the CPU, float64)."""
+    if x.device.type == "cuda" and compute_dtype(x) == torch.float32:
+        return cutile_backwards()
+    return TORCH_BACKWARDS
+
+
+def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                         initial_states=None, seq_idx=None, dt_softplus=False,
+                         dt_limit=(0.0, INF), *, dfinal_states=None, dt_out=None,
+                         dA_cumsum=None, prev_states=None, backwards: StageBackwards | None = None):
     """The gradients of the chunked SSD: its four stages differentiated in reverse
-    (``ssd.reference_backward.ssd_chunked_backward`` in PyTorch).
+    (``ssd.reference_backward.ssd_chunked_backward`` on tensors), each stage's backward taken
+    from ``backwards``.
 
     Args:
         dy: (b, l, h, p) gradient of y, or None (0: only final_states is used).
@@ -477,11 +523,14 @@ def ssd_chunked_backward_torch(dy, x, dt, A, B, C, chunk_size, D=None, z=None, d
             (both or neither).
         prev_states: the forward's (b, c, h, p, n) entering states; None recomputes them
             (chunk_state and state_passing in PyTorch).
+        backwards: the stage implementations (None: :func:`default_backwards` of x;
+            :data:`TORCH_BACKWARDS` forces PyTorch).
     Returns:
         dict of gradients in the compute dtype (:func:`compute_dtype`): dx, ddt, dA, dB, dC
         and, where given, dD, dz, ddt_bias, dinitial_states (the reference's keys and order).
     """
     f = compute_dtype(x)
+    stage = backwards or default_backwards(x)
     if dy is None:
         dy = torch.zeros(x.shape, dtype=f, device=x.device)
     if dt_out is None or dA_cumsum is None:
@@ -493,14 +542,14 @@ def ssd_chunked_backward_torch(dy, x, dt, A, B, C, chunk_size, D=None, z=None, d
         del states
     # 4. chunk_scan: the outputs' gradients reach x, B, C, D, z, dt', dA_cumsum and the
     #    entering states
-    scan = chunk_scan_backward_torch(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
+    scan = stage.chunk_scan(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
     # 3. state_passing: back over the chunks, from the final state's gradient
-    passing = state_passing_backward_torch(scan.pop("dprev_states"), prev_states, dA_cumsum,
-                                           initial_states, seq_idx, dfinal_states=dfinal_states)
+    passing = stage.state_passing(scan.pop("dprev_states"), prev_states, dA_cumsum,
+                                  initial_states, seq_idx, dfinal_states=dfinal_states)
     # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum
-    state = chunk_state_backward_torch(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx)
+    state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx)
     # 1. chunk_cumsum: every stage's dt' and dA_cumsum gradients, back to dt, A, dt_bias
-    cumsum = chunk_cumsum_backward_torch(
+    cumsum = stage.chunk_cumsum(
         scan["ddt_out"] + state["ddt_out"],
         scan["ddA_cumsum"] + passing["ddA_cumsum"] + state["ddA_cumsum"],
         dt, A, chunk_size, dt_bias, dt_softplus, dt_limit, dt_out=dt_out)
@@ -512,3 +561,15 @@ def ssd_chunked_backward_torch(dy, x, dt, A, B, C, chunk_size, D=None, z=None, d
         if value is not None:
             out[key] = value
     return out
+
+
+def ssd_chunked_backward_torch(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+                               initial_states=None, seq_idx=None, dt_softplus=False,
+                               dt_limit=(0.0, INF), *, dfinal_states=None, dt_out=None,
+                               dA_cumsum=None, prev_states=None):
+    """:func:`ssd_chunked_backward` with every stage in PyTorch (:data:`TORCH_BACKWARDS`), on
+    any device: same arguments and result."""
+    return ssd_chunked_backward(
+        dy, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, seq_idx, dt_softplus,
+        dt_limit, dfinal_states=dfinal_states, dt_out=dt_out, dA_cumsum=dA_cumsum,
+        prev_states=prev_states, backwards=TORCH_BACKWARDS)

@@ -271,6 +271,54 @@ class GatedNormConfig:
         return max(1, min(self.block_elems // next_pow2(group_size), next_pow2(rows)))
 
 
+# --- the backward's stage kernels (ssd.kernels.<stage>_backward); untimed defaults ---
+
+
+@dataclass(frozen=True)
+class CumsumBackwardConfig:
+    """chunk_cumsum's backward (:mod:`ssd.kernels.chunk_cumsum_backward`): one block per
+    (batch, chunk, ``block_h`` heads), as the forward; the second pass sums the per-chunk parts
+    of dA and ddt_bias ``block_rows`` chunks at a time."""
+
+    block_h: int = 8
+    block_rows: int = 64
+
+    def __post_init__(self):
+        _check_pow2("block_h", self.block_h)
+        _check_pow2("block_rows", self.block_rows)
+
+
+@dataclass(frozen=True)
+class StateBackwardConfig:
+    """chunk_state's backward (:mod:`ssd.kernels.chunk_state_backward`): a block walks one
+    chunk ``block_s`` positions at a time, its products over ``block_p`` channels and
+    ``block_n`` state entries a tile (both clamped to the problem). Untimed: 32 x 32 state
+    tiles because at 64 x 64 both kernels compile for sm_90 to about 3 KB of stack a thread
+    (spilled fp32 tiles), at 32 x 32 to under 0.4 KB (p 64, n 128, chunk 256)."""
+
+    block_s: int = 64
+    block_p: int = 32
+    block_n: int = 32
+
+    def __post_init__(self):
+        for name in ("block_s", "block_p", "block_n"):
+            _check_pow2(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class PassingBackwardConfig:
+    """state_passing's backward (:mod:`ssd.kernels.state_passing_backward`): a block owns a
+    ``block_p`` x ``block_n`` slice of one head's state gradient (clamped to the problem) and
+    walks the chunks from last to first, as the forward's walk does from first to last."""
+
+    block_p: int = 64
+    block_n: int = 64
+
+    def __post_init__(self):
+        _check_pow2("block_p", self.block_p)
+        _check_pow2("block_n", self.block_n)
+
+
 # Per-architecture defaults, keyed by compute-capability major. Only 9 (Hopper) is measured.
 _DEFAULTS = {
     9: SSDConfig(),

@@ -288,6 +288,23 @@ def signature(record: Launch):
                              calling_convention=C.CallingConvention.cutile_python_v2())
 
 
+def check_array(name: str, tensor, shape: tuple, dtypes: tuple) -> tuple:
+    """A launcher's input check: ``tensor`` (the argument ``name``) is a torch tensor of one of
+    ``dtypes`` (torch dtypes) whose shape matches ``shape``, an int per axis or a letter for an
+    axis of any size. Returns its shape; raises ValueError naming the argument, the shape and
+    dtypes expected and what it got."""
+    import torch
+
+    want = "(" + ", ".join(str(d) for d in shape) + ")"
+    expected = f"expected a {want} tensor of {' / '.join(str(d) for d in dtypes)}"
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name}: {expected}, got {type(tensor).__name__}")
+    if tensor.dim() != len(shape) or tensor.dtype not in dtypes or any(
+            isinstance(d, int) and d != got for d, got in zip(shape, tensor.shape)):
+        raise ValueError(f"{name}: {expected}, got {tuple(tensor.shape)} {tensor.dtype}")
+    return tuple(tensor.shape)
+
+
 def optional(tensor, ndim: int, dtype, device):
     """``tensor``, or a one-element stand-in when it is None (the kernel's flag for it is off).
 

@@ -79,6 +79,7 @@ that take tensors need it (imported on first use).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import warnings
@@ -204,6 +205,30 @@ def poisoned_outputs(spec: ProblemSpec, dtype: str, split: bool, state_dtype="fl
         out["chunk_decay"] = torch.full((b, h, c, DECAY_ROW), dtype=torch.float32, **nan)
         out["group_enter"] = torch.full((b, groups, h, p, n), dtype=getattr(torch, state_dtype), **nan)
     return out
+
+
+@contextlib.contextmanager
+def poisoned_memory():
+    """Within the block, ``torch.empty`` (and every allocation that leaves memory uninitialised)
+    fills floats with NaN: PyTorch's deterministic mode with ``fill_uninitialized_memory``, for
+    the output buffers a launcher allocates itself (the backward's). warn_only, so that an
+    operation without a deterministic implementation warns instead of failing (those warnings
+    are silenced: the values are what is checked)."""
+    import torch
+    import torch.utils.deterministic
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.utils.deterministic.fill_uninitialized_memory = before[2]
 
 
 def as_float64(out) -> np.ndarray:

@@ -19,12 +19,17 @@ from ssd.tools import aot  # noqa: E402
 
 FORWARD_KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
                    "chunk_scan_kernel", "fused_scan_kernel"}
-KERNELS = FORWARD_KERNELS | {"chunk_state_varlen_kernel", "state_update_kernel",
-                             "causal_conv1d_kernel", "gated_rmsnorm_kernel"}
+BACKWARD_KERNELS = {"state_passing_backward_kernel", "state_passing_backward_rows_kernel",
+                    "chunk_state_backward_dx_kernel", "chunk_state_backward_dB_kernel",
+                    "chunk_cumsum_backward_kernel", "chunk_cumsum_backward_sum_kernel"}
+KERNELS = FORWARD_KERNELS | BACKWARD_KERNELS | {"chunk_state_varlen_kernel",
+                                                "state_update_kernel", "causal_conv1d_kernel",
+                                                "gated_rmsnorm_kernel"}
 
 
 # Every kernel for every arch in bf16, the dtype models run in: the forward (both feature sets,
-# fused and split stage 2, the one kernel), each packed sequence's final state, the decode step
+# fused and split stage 2, the one kernel), each packed sequence's final state, the backward's
+# stage kernels (every option on), the decode step
 # (an fp32 state and one of the inputs' dtype) and the layer's conv (with and without seq_idx
 # and an initial state) and norm. fp32 and fp16 for sm_90, the forward with every feature only:
 # fp32 costs the most compile time (its chunk_scan and one kernel take about 30 s each on a

@@ -1,8 +1,9 @@
 """GPU tests of the backward (``pytest -m gpu``; skipped without a GPU).
 
 ``ssd.mamba_chunk_scan_combined`` with inputs that require grad -- the cuTile forward inside
-``ssd.autograd.ChunkScanCombined``, the PyTorch backward of ``ssd.backward`` -- against the
-float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
+``ssd.autograd.ChunkScanCombined``, the backward of ``ssd.backward`` (its default table on a GPU:
+the cuTile stage kernels where one exists, PyTorch for chunk_scan; one test forces PyTorch
+throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
 device inputs and the rounded upstream gradients, on fresh random inputs (a new seed per run,
 printed on failure; ``SSD_TEST_SEED`` replays one).
 
@@ -18,9 +19,7 @@ The forward paths differ in what the backward gets (``ssd.autograd``): the enter
 stored by the fused stage 2 (input dtype) and the split one (fp32), completed from a grouped walk,
 or recomputed after the one-kernel forward; each is tested.
 """
-import contextlib
 import os
-import warnings
 import zlib
 
 import numpy as np
@@ -31,7 +30,7 @@ torch = pytest.importorskip("torch")
 from ssd.config import FusedScanConfig, ScanConfig, SSDConfig, StateConfig  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPE_NAMES, GRAD_TOL, as_float64, check_gradient,  # noqa: E402
-                          device_inputs, host_inputs, rel_err)
+                          device_inputs, host_inputs, poisoned_memory, rel_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -64,28 +63,6 @@ def full_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = saved
-
-
-@contextlib.contextmanager
-def poisoned_memory():
-    """Within the block, ``torch.empty`` (and every allocation that leaves memory uninitialised)
-    fills floats with NaN: PyTorch's deterministic mode with ``fill_uninitialized_memory``.
-    warn_only, so that an operation without a deterministic implementation warns instead of
-    failing (those warnings are silenced: the values are what is checked)."""
-    import torch.utils.deterministic
-
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled(),
-              torch.utils.deterministic.fill_uninitialized_memory)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.utils.deterministic.fill_uninitialized_memory = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            yield
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-        torch.utils.deterministic.fill_uninitialized_memory = before[2]
 
 
 def upstream(spec, seed, dtype, final=True, device="cuda"):
@@ -128,14 +105,16 @@ def reference_gradients(spec, inputs, dy, dfinal):
     return spec.reference_backward(host_inputs(inputs), grads)
 
 
-def check_backward(spec, dtype, record, label, seed, config=None, final=True, only_final=False):
-    """Forward + backward into poisoned memory, every gradient checked and recorded."""
+def check_backward(spec, dtype, record, label, seed, config=None, final=True, only_final=False,
+                   backwards=None):
+    """Forward + backward into poisoned memory, every gradient checked and recorded; the
+    backward's stages from ``backwards`` (None: the default table)."""
     inputs = device_inputs(spec, seed, dtype)
     dy, dfinal = upstream(spec, seed, dtype, final)
     if only_final:
         dy = None
     with poisoned_memory():
-        got = api_gradients(spec, inputs, dy, dfinal, config)
+        got = api_gradients(spec, inputs, dy, dfinal, config, backwards=backwards)
     want = reference_gradients(spec, inputs, dy, dfinal)
     failures = []
     for key, out in got.items():
@@ -195,8 +174,33 @@ def test_model_like_chunk_sizes(chunk_size, gpu_record):
     check_backward(spec, "bfloat16", gpu_record, f"model-like/q{chunk_size}", seed_for(spec.name))
 
 
+def test_default_backward_takes_the_kernels():
+    """On a GPU the backward composes the cuTile stage kernels where one exists (these tests
+    exercise them), PyTorch for chunk_scan; float64 stays with PyTorch."""
+    from ssd import backward as TB
+
+    table = TB.default_backwards(torch.empty(1, device="cuda"))
+    assert table == TB.cutile_backwards()
+    assert table.chunk_scan is TB.chunk_scan_backward_torch
+    assert all(f.__name__.endswith("_backward_cutile")
+               for f in (table.state_passing, table.chunk_state, table.chunk_cumsum))
+    assert TB.default_backwards(torch.empty(1, device="cuda", dtype=torch.float64)) \
+        is TB.TORCH_BACKWARDS
+
+
+@pytest.mark.parametrize("name", ["all-features", "seq-idx-mid-chunk", "l-less-than-q"])
+def test_torch_backward_path(name, gpu_record):
+    """The backward forced to PyTorch throughout (``backwards=TORCH_BACKWARDS``, the path the
+    kernels are compared with) meets the same tolerances."""
+    from ssd.backward import TORCH_BACKWARDS
+
+    check_backward(EDGE_SHAPES[name], "bfloat16", gpu_record, f"torch-path/{name}",
+                   seed_for("torch-path" + name), backwards=TORCH_BACKWARDS)
+
+
 def test_bitwise_identical_reruns():
-    """The backward's PyTorch ops are deterministic: two runs give the same bits."""
+    """The backward is deterministic: the cuTile stage kernels sum in a fixed order (two passes,
+    no atomics) and the PyTorch ops are deterministic: two runs give the same bits."""
     spec = EDGE_SHAPES["all-features"].replace(seqlen=300, chunk_size=64)
     inputs = device_inputs(spec, seed_for("bwd-rerun"), "bfloat16")
     dy, dfinal = upstream(spec, seed_for("bwd-rerun"), "bfloat16")

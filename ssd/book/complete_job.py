@@ -12,17 +12,14 @@ from __future__ import annotations
 import math
 
 from ..tools.endtoend import BASE, NEW, amdahl, amdahl_rows
-from .tables import Table
+from .figures import paired_bars
+from .tables import Table, pct
 
 #: How the two SSD backends are named in tables and legends.
 LABEL = {NEW: "ours (cuTile)", BASE: "mamba_ssm (Triton)"}
 COLOR = {NEW: "C0", BASE: "C1"}
 #: The fields that pair a base row with a new one in each part of ``endtoend.json``.
 PREFILL_KEY = ("config", "n_layers", "batch", "seqlen")
-
-
-def pct(v) -> str:
-    return f"{100 * v:.1f}\u00a0%"  # no break before the sign
 
 
 # ----------------------------------------------------------------------------- Amdahl's law
@@ -217,32 +214,22 @@ def rest_floor_table(endtoend, models) -> Table:
 def plot_time_split(endtoend):
     """Stacked bars, one pair per shape: the SSD and the rest of the mixer, each backend,
     in units of the mamba_ssm mixer's time; the label is the SSD's share."""
-    import matplotlib.pyplot as plt
-
     split = time_split(endtoend)
-    shapes = list(dict.fromkeys(split.column("shape")))
     row = {(r["shape"], r["key"]): r for r in split}
-    fig, ax = plt.subplots(figsize=(7, 3.0), dpi=90)
-    ticks = []
-    for i, s in enumerate(shapes):
-        ref = row[(s, BASE)]["mixer_ms"]
-        for j, b in enumerate((BASE, NEW)):
-            r, y = row[(s, b)], 2.6 * i + j
-            ax.barh(y, r["ssd_ms"] / ref, color=COLOR[b], height=0.85,
-                    label=f"SSD, {LABEL[b]}" if i == 0 else None)
-            ax.barh(y, (r["mixer_ms"] - r["ssd_ms"]) / ref, left=r["ssd_ms"] / ref, color="0.8",
-                    height=0.85, label="rest of the mixer (PyTorch)" if i == 0 and j == 0 else None)
-            ax.text(r["mixer_ms"] / ref + 0.01, y, pct(r["share"]), va="center", fontsize=7)
-            ticks.append((y, f"{s}, {'ours' if b == NEW else 'mamba_ssm'}"))
-    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.15)
-    ax.set_xlabel("mixer forward time / mamba_ssm mixer's (label: SSD share)", fontsize=8)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.45, -0.2), ncol=3)
-    ax.set_title("Where one Mamba-2 mixer's time goes", fontsize=9)
-    fig.tight_layout()
-    return fig
+    groups = []
+    for s in dict.fromkeys(split.column("shape")):
+        ref, bars = row[(s, BASE)]["mixer_ms"], []
+        for b in (BASE, NEW):
+            r = row[(s, b)]
+            bars.append((f"{s}, {'ours' if b == NEW else 'mamba_ssm'}",
+                         [(r["ssd_ms"] / ref, dict(color=COLOR[b], label=f"SSD, {LABEL[b]}")),
+                          ((r["mixer_ms"] - r["ssd_ms"]) / ref,
+                           dict(color="0.8", label="rest of the mixer (PyTorch)"))],
+                         pct(r["share"])))
+        groups.append(bars)
+    return paired_bars(groups, xlim=1.15, height=3.0,
+                       xlabel="mixer forward time / mamba_ssm mixer's (label: SSD share)",
+                       title="Where one Mamba-2 mixer's time goes")
 
 
 def plot_amdahl(endtoend, shares=(0.05, 0.1, 0.15, 0.2, 0.3), k_max=4.0):

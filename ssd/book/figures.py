@@ -42,3 +42,38 @@ def compact_figures(colors: int = 64) -> bool:
     formatter = shell.display_formatter.formatters["image/png"]
     formatter.for_type(Figure, lambda fig: png_bytes(fig, colors))
     return True
+
+
+def paired_bars(groups, *, xlim: float, xlabel: str, title: str, height: float = 2.9,
+                ncol: int = 3):
+    """Horizontal stacked bars, a few to a group (one group a shape, one bar a backend).
+
+    ``groups``: a list of groups, each a list of bars ``(tick, segments, note)``: ``tick`` the
+    bar's y label, ``segments`` a list of ``(width, style)`` stacked from 0 (``style``: barh
+    keywords, e.g. color, alpha and label, the legend entry; a label repeated on later bars is
+    shown once), ``note`` the text printed after the bar. Returns the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, height), dpi=90)
+    ticks = []
+    for i, bars in enumerate(groups):
+        for j, (tick, segments, note) in enumerate(bars):
+            y, left = 2.6 * i + j, 0.0
+            for width, style in segments:
+                ax.barh(y, width, left=left, height=0.85, **style)
+                left += width
+            ax.text(left + 0.01, y, note, va="center", fontsize=7)
+            ticks.append((y, tick))
+    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, xlim)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    handles, labels = ax.get_legend_handles_labels()
+    legend = dict(zip(labels, handles))  # the first bar of each label
+    ax.legend(legend.values(), legend.keys(), fontsize=7, loc="upper center",
+              bbox_to_anchor=(0.45, -0.2), ncol=ncol)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig

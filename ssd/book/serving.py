@@ -34,7 +34,7 @@ from .. import reference as R
 from ..problem import ProblemSpec
 from ..tools import bench, decode_bench
 from ..tools.endtoend import BASE, NEW
-from .tables import Table
+from .tables import Table, pct
 
 __all__ = [
     "DECODE_GOALS", "LABEL", "packed_prefill_check", "prefill_decode_check",
@@ -50,10 +50,6 @@ DECODE_GOALS = dict(speedup=1.0, copy_fraction=0.8, copy_from_batch=64)
 LABEL = {"ssd": "ours", "mamba_ssm": "mamba_ssm", NEW: "ours (cuTile)",
          BASE: "mamba_ssm (Triton)", "torch": "PyTorch"}
 COLOR = {"ssd": "C0", NEW: "C0", "mamba_ssm": "C1"}
-
-
-def pct(v) -> str:
-    return f"{100 * v:.1f}\u00a0%"  # no break before the sign
 
 
 def times(v) -> str:

@@ -151,4 +151,9 @@ def show_source(obj, width: int = WIDTH) -> str:
     return "\n".join(out)
 
 
-__all__ = ["Table", "WIDTH", "wrap", "show_source"]
+def pct(v) -> str:
+    """A fraction as a percentage, for table cells and figure labels."""
+    return f"{100 * v:.1f}\u00a0%"  # no break before the sign
+
+
+__all__ = ["Table", "WIDTH", "wrap", "show_source", "pct"]

@@ -28,7 +28,8 @@ import numpy as np
 from ..tools import backward_bench as BB
 from ..tools import train as T
 from ..tools.endtoend import amdahl_rows
-from .tables import Table
+from .figures import paired_bars
+from .tables import Table, pct
 
 __all__ = ["FB_GOALS", "LABEL", "fb_table", "fb_goals", "plot_fb", "step_table", "plot_step",
            "task_line", "mqar_table", "noise_table", "plot_curves"]
@@ -45,10 +46,6 @@ LABEL = {"ssd": "ours", "cutile": "ours (cuTile)", "mamba_ssm": "mamba_ssm",
          "tilegym": "TileGym", "tilegym_tuned": "TileGym tuned", "torch": "PyTorch"}
 COLOR = {"ssd": "C0", "cutile": "C0", "mamba_ssm": "C1", "tilegym": "C2", "tilegym_tuned": "C3"}
 FB = "forward+backward"
-
-
-def pct(v) -> str:
-    return f"{100 * v:.1f}\u00a0%"  # no break before the sign
 
 
 def times(v) -> str:
@@ -168,33 +165,24 @@ def fb_goals(backward, goals=FB_GOALS) -> Table:
 def plot_fb(backward, mode="graph"):
     """Per shape, ours and mamba_ssm's forward and backward (forward + backward minus forward)
     as stacked bars, in units of mamba_ssm's forward + backward (each at its fastest chunk)."""
-    import matplotlib.pyplot as plt
-
     top = BB.best(backward["records"], mode)
     shapes = list(dict.fromkeys(s for s, i in top if i == "ssd" and (s, "mamba_ssm") in top))
-    fig, ax = plt.subplots(figsize=(7, 2.9), dpi=90)
-    ticks = []
-    for i, s in enumerate(shapes):
-        ref = top[(s, "mamba_ssm")][FB]["median_ms"]
-        for j, impl in enumerate(("mamba_ssm", "ssd")):
-            recs, y = top[(s, impl)], 2.6 * i + j
+    groups = []
+    for s in shapes:
+        ref, bars = top[(s, "mamba_ssm")][FB]["median_ms"], []
+        for impl in ("mamba_ssm", "ssd"):
+            recs = top[(s, impl)]
             fb = recs[FB]["median_ms"] / ref
             f = recs["forward"]["median_ms"] / ref if "forward" in recs else 0.0
-            ax.barh(y, f, color=COLOR[impl], height=0.85,
-                    label=f"forward, {LABEL[impl]}" if i == 0 else None)
-            ax.barh(y, fb - f, left=f, color=COLOR[impl], alpha=0.45, height=0.85,
-                    label=f"backward, {LABEL[impl]}" if i == 0 else None)
-            ax.text(fb + 0.01, y, f"{recs[FB]['median_ms']:.2f} ms", va="center", fontsize=7)
-            ticks.append((y, f"{s}, {LABEL[impl]}"))
-    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.3)
-    ax.set_xlabel("time / mamba_ssm's forward + backward", fontsize=8)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.45, -0.2), ncol=4)
-    ax.set_title(f"The SSD's forward and backward ({mode})", fontsize=9)
-    fig.tight_layout()
-    return fig
+            bars.append((f"{s}, {LABEL[impl]}",
+                         [(f, dict(color=COLOR[impl], label=f"forward, {LABEL[impl]}")),
+                          (fb - f, dict(color=COLOR[impl], alpha=0.45,
+                                        label=f"backward, {LABEL[impl]}"))],
+                         f"{recs[FB]['median_ms']:.2f} ms"))
+        groups.append(bars)
+    return paired_bars(groups, xlim=1.3, ncol=4,
+                       xlabel="time / mamba_ssm's forward + backward",
+                       title=f"The SSD's forward and backward ({mode})")
 
 
 # ----------------------------------------------------------------------------- the training step
@@ -223,33 +211,23 @@ def plot_step(step):
     """Per shape and backend, the step's time split into the SSD (forward + backward, all
     layers) and the rest (projections, conv, norm, their backward, AdamW), in units of
     mamba_ssm's step."""
-    import matplotlib.pyplot as plt
-
     row = {(r["shape"], r["backend"]): r for r in step["rows"]}
     shapes = [s for s in dict.fromkeys(r["shape"] for r in step["rows"])
               if (s, T.BASE) in row and (s, T.NEW) in row]
-    fig, ax = plt.subplots(figsize=(7, 2.9), dpi=90)
-    ticks = []
-    for i, s in enumerate(shapes):
-        ref = row[(s, T.BASE)]["step_ms"]
-        for j, b in enumerate((T.BASE, T.NEW)):
-            r, y = row[(s, b)], 2.6 * i + j
+    groups = []
+    for s in shapes:
+        ref, bars = row[(s, T.BASE)]["step_ms"], []
+        for b in (T.BASE, T.NEW):
+            r = row[(s, b)]
             ssd = min(r["ssd_ms_total"], r["step_ms"]) / ref
-            ax.barh(y, ssd, color=COLOR[b], height=0.85,
-                    label=f"SSD, {LABEL[b]}" if i == 0 else None)
-            ax.barh(y, r["step_ms"] / ref - ssd, left=ssd, color="0.8", height=0.85,
-                    label="the rest of the step" if i == 0 and j == 0 else None)
-            ax.text(r["step_ms"] / ref + 0.01, y, pct(r["ssd_share"]), va="center", fontsize=7)
-            ticks.append((y, f"{s}, {LABEL[b]}"))
-    ax.set_yticks([y for y, _ in ticks], [t for _, t in ticks], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.2)
-    ax.set_xlabel("step time / mamba_ssm step's (label: SSD share)", fontsize=8)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.45, -0.2), ncol=3)
-    ax.set_title("Where a training step's time goes", fontsize=9)
-    fig.tight_layout()
-    return fig
+            bars.append((f"{s}, {LABEL[b]}",
+                         [(ssd, dict(color=COLOR[b], label=f"SSD, {LABEL[b]}")),
+                          (r["step_ms"] / ref - ssd,
+                           dict(color="0.8", label="the rest of the step"))],
+                         pct(r["ssd_share"])))
+        groups.append(bars)
+    return paired_bars(groups, xlim=1.2, xlabel="step time / mamba_ssm step's (label: SSD share)",
+                       title="Where a training step's time goes")
 
 
 # ----------------------------------------------------------------------------- MQAR

@@ -188,11 +188,55 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     return records
 
 
+# The backward's feature sets: "none" (no optional input; dt_out recomputed in the kernel) and
+# "all" (dt_bias, softplus, a clamp, initial states, dfinal_states, seq_idx, the saved dt_out).
+BACKWARD_FEATURES = ("none", "all")
+
+
+def capture_backward(dtype: str, features: str):
+    """Run the launchers of the backward's cuTile stages (``ssd.kernels.<stage>_backward``:
+    state_passing, chunk_state, chunk_cumsum, in the order the backward calls them) on small
+    CPU tensors and return the recorded launches: x, B, dt and the saved entering states in
+    ``dtype``, as the forward leaves them; the upstream gradients, dt_out and dA_cumsum fp32. The
+    shape is the forward's (:func:`capture_forward`): chunk 256, a ragged last chunk, two groups
+    of four heads."""
+    import torch
+
+    from ..kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
+    from ..kernels.chunk_state_backward import chunk_state_backward_cutile
+    from ..kernels.state_passing_backward import state_passing_backward_cutile
+
+    if features not in BACKWARD_FEATURES:
+        raise ValueError(f"features: expected one of {BACKWARD_FEATURES}, got {features!r}")
+    t = getattr(torch, dtype)
+    q = 256
+    b, l, h, p, n, g = 2, q + q // 2, 8, 64, 128, 2
+    c = -(-l // q)
+    every = features == "all"
+    seq_idx = torch.zeros(b, l, dtype=torch.int32) if every else None
+    dt_out = torch.rand(b, h, c, q)
+    with launch.capture() as records:
+        passing = state_passing_backward_cutile(
+            torch.randn(b, c, h, p, n), torch.randn(b, c, h, p, n, dtype=t),
+            -torch.rand(b, h, c, q), torch.randn(b, h, p, n) if every else None, seq_idx,
+            dfinal_states=torch.randn(b, h, p, n) if every else None)
+        state = chunk_state_backward_cutile(
+            passing["dstates"], torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
+            dt_out, -torch.rand(b, h, c, q), seq_idx)
+        chunk_cumsum_backward_cutile(
+            state["ddt_out"], state["ddA_cumsum"], torch.randn(b, l, h, dtype=t), -torch.rand(h),
+            q, dt_bias=torch.randn(h) if every else None, dt_softplus=every,
+            dt_limit=(0.001, 0.1) if every else (0.0, float("inf")),
+            dt_out=dt_out if every else None)
+    return records
+
+
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
-    each packed sequence's final state, the decode step and the layer's conv and norm
-    (:func:`capture_layer`), for each arch. ``forward_only`` also keeps to the forward with
-    every feature, whose kernels hold the featureless ones' code and more."""
+    each packed sequence's final state, the backward's stage kernels (:func:`capture_backward`),
+    the decode step and the layer's conv and norm (:func:`capture_layer`), for each arch.
+    ``forward_only`` also keeps to the forward with every feature, whose kernels hold the
+    featureless ones' code and more."""
     from ..config import FusedScanConfig, SSDConfig
 
     done, seen = [], set()
@@ -210,6 +254,9 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) 
                 # its kernel alone (the others of that call are batch-of-one forms of the above)
                 records += [r for r in capture_forward(dtype, "varlen", True)
                             if r.kernel._pyfunc.__name__ == "chunk_state_varlen_kernel"]
+                # the backward's stage kernels with every option on (the options' flags only
+                # take code out: the bare forms cost compile time and risk little)
+                records += capture_backward(dtype, "all")
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,
                                        True, 64, config=one_kernel)

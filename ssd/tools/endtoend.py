@@ -766,32 +766,32 @@ def report(payload, file=None):
         p("SKIPPED", why)
 
 
-def usable_backends(backends) -> tuple[list, dict]:
-    """The backends of ``backends`` that load here, and {backend: why not} for the others."""
-    from ..layer import BackendUnavailable, backend_function
+def _usable(names, load) -> tuple[list, dict]:
+    """The names that ``load`` accepts, and {name: why not} for the others."""
+    from ..layer import BackendUnavailable
 
     usable, skipped = [], {}
-    for b in backends:
+    for name in names:
         try:
-            backend_function(b)
-            usable.append(b)
+            load(name)
+            usable.append(name)
         except BackendUnavailable as exc:
-            skipped[b] = str(exc)
+            skipped[name] = str(exc)
     return usable, skipped
+
+
+def usable_backends(backends) -> tuple[list, dict]:
+    """The SSD backends of ``backends`` that load here, and {backend: why not} for the others."""
+    from ..layer import backend_function
+
+    return _usable(backends, backend_function)
 
 
 def usable_kernels(kernels) -> tuple[list, dict]:
     """The layer kernels of ``kernels`` that load here, and {kernels: why not} for the others."""
-    from ..layer import BackendUnavailable, kernel_ops
+    from ..layer import kernel_ops
 
-    usable, skipped = [], {}
-    for k in kernels:
-        try:
-            kernel_ops(k)
-            usable.append(k)
-        except BackendUnavailable as exc:
-            skipped[k] = str(exc)
-    return usable, skipped
+    return _usable(kernels, kernel_ops)
 
 
 def parse_chunk_sizes(parser, specs) -> dict:

@@ -1,0 +1,176 @@
+"""The backward's stage table and the cuTile stage launchers' host side, on the CPU.
+
+* ``ssd.backward.StageBackwards``: the composition calls each stage from the table it is given,
+  the autograd Function and the API hand theirs down, and the CPU's default is PyTorch (the
+  kernels' values are the GPU tests', tests/test_gpu_stage_backward.py).
+* ``<stage>_backward_cutile``: the torch function's arguments (plus the tiles), a clear
+  ValueError naming a bad argument, and under ``ssd.launch.capture()`` the torch function's keys,
+  shapes and dtypes for what it would compute.
+"""
+import inspect
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cuda.tile")
+
+from ssd import autograd as AG  # noqa: E402
+from ssd import backward as TB  # noqa: E402
+from ssd import launch  # noqa: E402
+from ssd.problem import EDGE_SHAPES  # noqa: E402
+
+STAGES = ("state_passing", "chunk_state", "chunk_cumsum")
+
+
+def test_cpu_default_is_pytorch_and_the_gpu_table_swaps_three_stages():
+    assert TB.default_backwards(torch.empty(1)) is TB.TORCH_BACKWARDS
+    assert TB.default_backwards(torch.empty(1, dtype=torch.float64)) is TB.TORCH_BACKWARDS
+    table = TB.cutile_backwards()
+    assert table.chunk_scan is TB.chunk_scan_backward_torch  # no kernel yet
+    for stage in STAGES:
+        assert getattr(table, stage).__name__ == f"{stage}_backward_cutile"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_kernel_launchers_take_the_torch_functions_arguments(stage):
+    """Same parameters, names, kinds and defaults, plus a keyword-only config (the tiles)."""
+    ours = inspect.signature(getattr(TB.cutile_backwards(), stage)).parameters
+    theirs = inspect.signature(getattr(TB.TORCH_BACKWARDS, stage)).parameters
+    assert list(ours)[:-1] == list(theirs) and list(ours)[-1] == "config"
+    for name, param in theirs.items():
+        assert (ours[name].kind, ours[name].default) == (param.kind, param.default), name
+    assert ours["config"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def spy_table(calls):
+    """TORCH_BACKWARDS with every call recorded."""
+    def spy(name, fn):
+        def stage(*args, **kw):
+            calls.append(name)
+            return fn(*args, **kw)
+        return stage
+
+    return TB.StageBackwards(*(spy(name, fn) for name, fn in TB.TORCH_BACKWARDS._asdict().items()))
+
+
+def case(name="all-features", seed=40):
+    spec = EDGE_SHAPES[name]
+    inputs, grads = spec.make_inputs(seed=seed), spec.make_output_grads(seed=seed)
+    t = {k: torch.from_numpy(v) for k, v in inputs.items()}
+    return spec, t, {k: torch.from_numpy(v) for k, v in grads.items()}
+
+
+def test_composition_calls_each_stage_of_its_table_once():
+    spec, t, g = case()
+    calls = []
+    got = TB.ssd_chunked_backward(g["dy"], **t, **spec.options, dfinal_states=g["dfinal_states"],
+                                  backwards=spy_table(calls))
+    assert calls == ["chunk_scan", "state_passing", "chunk_state", "chunk_cumsum"]
+    want = TB.ssd_chunked_backward_torch(g["dy"], **t, **spec.options,
+                                         dfinal_states=g["dfinal_states"])
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_autograd_and_api_hand_their_table_down(monkeypatch):
+    """``backwards`` of ssd.autograd.chunk_scan_combined (and of the API, which passes it on)
+    is the table the backward composes."""
+    from ssd import api
+
+    spec, t, g = case("seq-idx-mid-chunk")
+    seq = t.pop("seq_idx")
+    for route in ("autograd", "api"):
+        calls = []
+        leaves = {k: v.clone().requires_grad_() for k, v in t.items()}
+        kw = dict(D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
+                  initial_states=leaves.get("initial_states"), seq_idx=seq,
+                  dt_softplus=spec.dt_softplus, dt_limit=spec.dt_limit,
+                  backwards=spy_table(calls))
+        args = [leaves[k] for k in ("x", "dt", "A", "B", "C")] + [spec.chunk_size]
+        if route == "autograd":
+            y = AG.chunk_scan_combined(*args, stages=AG.torch_stages, **kw)
+        else:
+            monkeypatch.setattr(api, "forward_stages", AG.torch_stages)
+            monkeypatch.setattr(api, "validate", lambda *a, **k: None)
+            y = api.mamba_chunk_scan_combined(*args, **kw)
+        y.backward(g["dy"])
+        assert calls == ["chunk_scan", "state_passing", "chunk_state", "chunk_cumsum"], route
+
+
+def stage_arguments(dtype=torch.bfloat16):
+    """Each stage's arguments (as the backward passes them: upstream gradients fp32, x, B, dt
+    and the entering states in ``dtype``) on a small CPU problem with every option."""
+    spec = EDGE_SHAPES["all-features"]
+    b, l, h, p, n, g = spec.dims
+    c, q = spec.nchunks, spec.chunk_size
+    rng = np.random.default_rng(41)
+    r = lambda *s, dt=torch.float32: torch.from_numpy(rng.standard_normal(s)).to(dt)  # noqa: E731
+    seq = torch.from_numpy(spec.seq_idx())
+    dt_out, dA = r(b, h, c, q).abs(), -r(b, h, c, q).abs()
+    return dict(
+        state_passing=((r(b, c, h, p, n), r(b, c, h, p, n, dt=dtype), dA, r(b, h, p, n), seq),
+                       dict(dfinal_states=r(b, h, p, n))),
+        chunk_state=((r(b, c, h, p, n), r(b, l, g, n, dt=dtype), r(b, l, h, p, dt=dtype), dt_out,
+                      dA, seq), {}),
+        chunk_cumsum=((r(b, h, c, q), r(b, h, c, q), r(b, l, h, dt=dtype), -r(h).abs(), q, r(h),
+                       True, spec.dt_limit), dict(dt_out=dt_out)))
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_launchers_return_the_torch_functions_keys_shapes_and_dtypes(stage):
+    """Under capture (no GPU: the launches are recorded, the outputs left unwritten)."""
+    args, kw = stage_arguments()[stage]
+    with launch.capture() as records:
+        got = getattr(TB.cutile_backwards(), stage)(*args, **kw)
+    want = getattr(TB.TORCH_BACKWARDS, stage)(*args, **kw)
+    assert records and list(got) == list(want)
+    for key in want:
+        assert (got[key].shape, got[key].dtype) == (want[key].shape, want[key].dtype), key
+
+
+def replaced(args, kw, index, value):
+    """``args`` with argument ``index`` (an int, or a keyword's name) replaced by ``value``."""
+    if isinstance(index, str):
+        return args, {**kw, index: value}
+    return args[:index] + (value,) + args[index + 1:], kw
+
+
+# (stage, argument position or keyword, a bad value as a function of the good one, the name the
+# error must start with)
+BAD = [
+    ("state_passing", 0, lambda t: t[0], "dprev_states"),
+    ("state_passing", 0, lambda t: t.int(), "dprev_states"),
+    ("state_passing", 1, lambda t: t[:, :-1], "prev_states"),
+    ("state_passing", 1, lambda t: t.long(), "prev_states"),
+    ("state_passing", 2, lambda t: t[..., :12], "dA_cumsum"),  # q not a power of two
+    ("state_passing", 2, lambda t: t[0], "dA_cumsum"),
+    ("state_passing", 4, lambda t: t[:, :40], "seq_idx"),  # too short for c chunks
+    ("state_passing", 4, lambda t: t.float(), "seq_idx"),
+    ("state_passing", "dfinal_states", lambda t: t[:1], "dfinal_states"),
+    ("chunk_state", 0, lambda t: t[:, :-1], "dstates"),
+    ("chunk_state", 1, lambda t: t[:, :, :, :-1], "dstates"),  # n from B
+    ("chunk_state", 1, lambda t: t[:, :-1], "B"),
+    ("chunk_state", 1, lambda t: torch.cat([t, t[:, :, :1]], 2), "B"),  # 4 groups, 6 heads
+    ("chunk_state", 2, lambda t: t.double(), "x"),
+    ("chunk_state", 3, lambda t: t[:, :, :-1], "dt_out"),
+    ("chunk_state", 4, lambda t: t[:, :-1], "dA_cumsum"),
+    ("chunk_state", 5, lambda t: t[:, 1:], "seq_idx"),
+    ("chunk_cumsum", 0, lambda t: t[..., :-1], "ddt_out"),
+    ("chunk_cumsum", 1, lambda t: t.int(), "ddA_cumsum"),
+    ("chunk_cumsum", 2, lambda t: t[0], "dt"),
+    ("chunk_cumsum", 3, lambda t: t[:-1], "A"),
+    ("chunk_cumsum", 4, lambda q: 24, "chunk_size"),
+    ("chunk_cumsum", 5, lambda t: t[:-1], "dt_bias"),
+    ("chunk_cumsum", 7, lambda lim: (0.1, 0.01), "dt_limit"),
+    ("chunk_cumsum", "dt_out", lambda t: t[:, :-1], "dt_out"),
+]
+
+
+@pytest.mark.parametrize("stage, index, bad, name", BAD,
+                         ids=[f"{s}-{n}-{i}" for i, (s, _, _, n) in enumerate(BAD)])
+def test_launchers_reject_bad_input(stage, index, bad, name):
+    args, kw = stage_arguments()[stage]
+    good = kw[index] if isinstance(index, str) else args[index]
+    args, kw = replaced(args, kw, index, bad(good))
+    with launch.capture(), pytest.raises(ValueError, match=f"^{name}: "):
+        getattr(TB.cutile_backwards(), stage)(*args, **kw)
