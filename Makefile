@@ -65,23 +65,30 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # names it), then execute the GPU chapters so their stored outputs come from the same
 # run. Each part is sized for under ten minutes on a fresh H100 or H200, for machines
 # that cap a command's time:
-#   gpu-check          the GPU tests (gpu_tests.json, gpu_mixer_tests.json,
-#                      gpu_decode_tests.json; one process per core: compiling the
-#                      kernel variants dominates) and first calls
+#   gpu-check          the GPU tests (gpu_tests, gpu_mixer_tests, gpu_decode_tests,
+#                      gpu_backward_tests: .json.gz; one process per core: compiling
+#                      the kernel variants dominates) and first calls
 #   gpu-models-1       the models suite against mamba_ssm and TileGym, some shapes,
 #   gpu-models-2       and the others, merged into one models.json (about two minutes
 #                      a shape, most of it compiling and mamba_ssm's autotuning)
-#   gpu-bench          the serving suite, and TileGym tuned replayed beside ours
+#   gpu-bench          the serving suite (our kernels compiled first: it reports no
+#                      first calls), and TileGym tuned replayed beside ours
 #   gpu-study          the layout study
 #   gpu-layer          both layers and mamba_ssm's Mamba2: the SSD's share, the rest's
 #                      floor; a prefill grid (endtoend.json)
 #   gpu-serving        the decode step against mamba_ssm's (decode.json) and the
 #                      serving scenario: a packed prefill, then decoding
 #                      (serving_scenario.json)
-#   gpu-robust-1..8    the robust suite against mamba_ssm, every 8th shape from the
-#                      1st, ..., from the 8th, merged into one robust.json
-#   gpu-backward-1..3  forward + backward against mamba_ssm on the models shapes,
-#                      some shapes each, merged into one backward.json
+#   gpu-robust-1..5    the robust suite against mamba_ssm, every 5th shape from the
+#                      1st, ..., from the 5th (6 shapes a part), merged into one
+#                      robust.json. Ours runs at chunk 64, its kernels for a part's
+#                      shapes compiled first in parallel; mamba_ssm at its best of
+#                      64/128/256, autotuned on each shape: most of about a minute a
+#                      shape (each part prints a shape's seconds by phase)
+#   gpu-backward-1..3  forward + backward against mamba_ssm and TileGym untuned on
+#                      the models shapes, some shapes each, merged into one
+#                      backward.json (TileGym adds its compiles and about half a
+#                      minute a shape)
 #   gpu-train-mqar     the recall task trained with each backend from two seeds
 #                      (training.json)
 #   gpu-train-step-1   a training step of the stack at the models shapes, some
@@ -96,13 +103,13 @@ BACKWARD_1 ?= 130m,2.7b
 BACKWARD_2 ?= long-16k,codestral-7b
 BACKWARD_3 ?= small-state
 .PHONY: gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
-  gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-robust-6 \
-  gpu-robust-7 gpu-robust-8 gpu-backward-1 gpu-backward-2 gpu-backward-3 gpu-train-mqar \
-  gpu-train-step-1 gpu-train-step-2 gpu-results gpu-tilegym
+  gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
+  gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
+  gpu-results gpu-tilegym gpu-tilegym-backward
 gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
-  gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-robust-6 \
-  gpu-robust-7 gpu-robust-8 gpu-backward-1 gpu-backward-2 gpu-backward-3 gpu-train-mqar \
-  gpu-train-step-1 gpu-train-step-2 gpu-results
+  gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
+  gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
+  gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
 	$(GPU_PYTHON) -m pytest -m gpu -n auto -q tests/
@@ -125,21 +132,20 @@ gpu-serving:
 	$(GPU_PYTHON) -m ssd.tools.decode_bench --reps 50
 	$(GPU_PYTHON) -m ssd.tools.serving --reps 10 --chunk-size cutile=64
 gpu-robust-1:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 1/8 --merge
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm \
+	  --reps 30 --shard 1/5 --merge
 gpu-robust-2:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 2/8 --merge
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm \
+	  --reps 30 --shard 2/5 --merge
 gpu-robust-3:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 3/8 --merge
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm \
+	  --reps 30 --shard 3/5 --merge
 gpu-robust-4:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 4/8 --merge
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm \
+	  --reps 30 --shard 4/5 --merge
 gpu-robust-5:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 5/8 --merge
-gpu-robust-6:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 6/8 --merge
-gpu-robust-7:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 7/8 --merge
-gpu-robust-8:
-	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 30 --shard 8/8 --merge
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm \
+	  --reps 30 --shard 5/5 --merge
 gpu-backward-1:
 	$(GPU_PYTHON) -m ssd.tools.backward_bench --reps 30 --shapes $(BACKWARD_1) --merge
 gpu-backward-2:
@@ -160,6 +166,18 @@ gpu-results:
 # no GPU needed; run it at the revision make gpu records.
 resources: $(VENV)/.stamp
 	$(VENV)/bin/python -m ssd.tools.aot --resources
+
+# make gpu-tilegym-backward: ours and TileGym's forward + backward with its autotuner
+# searching every kernel's candidates, one shape a command (several minutes a shape),
+# merged into backward_tilegym_tuned.json. Not part of make gpu, as gpu-tilegym.
+TILEGYM_BACKWARD_SHAPES ?= 130m 2.7b long-16k codestral-7b small-state
+gpu-tilegym-backward:
+	for s in $(TILEGYM_BACKWARD_SHAPES); do \
+	  $(GPU_PYTHON) -m ssd.tools.backward_bench --impl ssd --impl tilegym_tuned --reps 30 \
+	    --shapes $$s --merge \
+	    --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/backward_tilegym_tuned.json \
+	    || exit 1; \
+	done
 
 # make gpu-tilegym: TileGym's own autotuner on each models shape (an exhaustive search, minutes a
 # shape), its chosen configurations kept in results/tilegym_tuned.json for gpu-bench to replay.

@@ -9,8 +9,8 @@ returning the same dict of gradients; a cuTile kernel stands behind the same bou
 
 composed in reverse stage order by :func:`ssd_chunked_backward`, which takes each stage's
 implementation from one :class:`StageBackwards` table: :data:`TORCH_BACKWARDS` on the CPU (and
-for float64), :func:`cutile_backwards` on a GPU (the cuTile kernels where one exists; chunk_scan's
-backward is PyTorch); :func:`ssd_chunked_backward_torch` is the composition of the PyTorch
+for float64), :func:`cutile_backwards` on a GPU (every stage's cuTile kernels);
+:func:`ssd_chunked_backward_torch` is the composition of the PyTorch
 stages alone. The derivation is the module docstring of ``ssd.reference_backward``; the code
 below follows it line for line, batched over chunks, heads and the batch with einsums (one bmm
 each), on any device.
@@ -486,15 +486,15 @@ TORCH_BACKWARDS = StageBackwards(chunk_scan_backward_torch, state_passing_backwa
 
 
 def cutile_backwards() -> StageBackwards:
-    """The cuTile kernels where one exists (``ssd.kernels.<stage>_backward``), PyTorch for the
-    others (chunk_scan). Imported on call: the CPU path needs no cuTile."""
+    """Every stage's cuTile kernels (``ssd.kernels.<stage>_backward``). Imported on call: the
+    CPU path needs no cuTile."""
     from .kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
+    from .kernels.chunk_scan_backward import chunk_scan_backward_cutile
     from .kernels.chunk_state_backward import chunk_state_backward_cutile
     from .kernels.state_passing_backward import state_passing_backward_cutile
 
-    return TORCH_BACKWARDS._replace(state_passing=state_passing_backward_cutile,
-                                    chunk_state=chunk_state_backward_cutile,
-                                    chunk_cumsum=chunk_cumsum_backward_cutile)
+    return StageBackwards(chunk_scan_backward_cutile, state_passing_backward_cutile,
+                          chunk_state_backward_cutile, chunk_cumsum_backward_cutile)
 
 
 def default_backwards(x: torch.Tensor) -> StageBackwards:

@@ -149,6 +149,44 @@ class ScanConfig:
             raise ValueError(f"block_s: must divide block_m={self.block_m}, got {self.block_s}")
 
 
+# fp32 operands take twice the registers of 16-bit ones: at chunk 256 (p 64, n 128) on sm_90 the
+# chunk_scan backward's rows kernel spills 13 KB a thread with 64-row tiles and compiles in 27 s
+# (263 s at p 128, n 256); with 32-row tiles it spills 3 KB and compiles in 6 s (ssd.tools.aot,
+# cuobjdump of the cubins).
+SCAN_BACKWARD_FP32_TILE = 32
+
+
+@dataclass(frozen=True)
+class ScanBackwardConfig:
+    """chunk_scan's backward (:mod:`ssd.kernels.chunk_scan_backward`). Its two diagonal-block
+    kernels cut a chunk into square ``block_q`` x ``block_q`` tiles (rows t, columns s: the
+    diagonal tile of row block i is column block i), and a block owns one row block or one column
+    block of one chunk for every head of one group. The entering states' gradient, a chunk_state
+    of (dy, C), reads ``block_k`` positions a step and owns ``block_n`` state columns a block.
+    ``occupancy`` as in StateConfig. Untimed defaults; fp32 inputs take smaller tiles
+    (:meth:`for_problem`)."""
+
+    block_q: int = 64
+    block_k: int = 64
+    block_n: int = 64
+    occupancy: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_n"):
+            _check_pow2(name, getattr(self, name))
+        _check_hints(self)
+
+    def for_problem(self, chunk_size: int, dstate: int, input_dtype=None) -> "ScanBackwardConfig":
+        """The tiles clamped to the chunk (``block_q``, ``block_k``) and to the state padded to a
+        power of two (``block_n``); for fp32 inputs (``input_dtype``: a name such as "float32",
+        or a torch dtype) to SCAN_BACKWARD_FP32_TILE as well."""
+        fp32 = str(input_dtype).removeprefix("torch.") == "float32"
+        cap = lambda block: min(block, SCAN_BACKWARD_FP32_TILE) if fp32 else block  # noqa: E731
+        return replace(self, block_q=cap(min(self.block_q, chunk_size)),
+                       block_k=cap(min(self.block_k, chunk_size)),
+                       block_n=cap(min(self.block_n, next_pow2(dstate))))
+
+
 @dataclass(frozen=True)
 class FusedScanConfig:
     """Stages 2 and 3 in one kernel (:mod:`ssd.kernels.fused_scan`): where ``enabled``, one block per
@@ -251,6 +289,20 @@ class Conv1dConfig:
 
     def __post_init__(self):
         _check_pow2("block_l", self.block_l)
+        _check_pow2("block_c", self.block_c)
+
+
+@dataclass(frozen=True)
+class ConvStepConfig:
+    """The conv's decode step (:mod:`ssd.kernels.conv_step`): one block per (``block_c``
+    channels, batch entry), each of the w window columns a [block_c] tile. A step moves a few
+    bytes a channel: 256 channels a block spread a batch of one over 21 blocks at the 2.7b
+    layer's 5376 channels, and keep the grid at 5376 blocks at batch 256. The width-4 kernel
+    compiles for sm_90 to 38 registers a thread and no shared memory. Untimed."""
+
+    block_c: int = 256
+
+    def __post_init__(self):
         _check_pow2("block_c", self.block_c)
 
 

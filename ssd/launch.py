@@ -85,23 +85,33 @@ class Launch:
     args: tuple
 
 
-_captured: list | None = None
+_handler = None  # called with each Launch in place of running it (see intercept)
+
+
+@contextlib.contextmanager
+def intercept(handler):
+    """Hand every launch to ``handler``, called with its :class:`Launch`, instead of running
+    it: :func:`capture` records them; the tests' CPU emulator of the tile code
+    (tests/tile_emulator.py) runs them."""
+    global _handler
+    previous, _handler = _handler, handler
+    try:
+        yield
+    finally:
+        _handler = previous
 
 
 @contextlib.contextmanager
 def capture():
     """Record launches instead of running them (for ahead-of-time compilation)."""
-    global _captured
-    previous, _captured = _captured, []
-    try:
-        yield _captured
-    finally:
-        _captured = previous
+    records = []
+    with intercept(records.append):
+        yield records
 
 
 def capturing() -> bool:
-    """Whether launches are being recorded (inside :func:`capture`) rather than run."""
-    return _captured is not None
+    """Whether launches go to a handler (:func:`intercept`, :func:`capture`) rather than run."""
+    return _handler is not None
 
 
 @dataclass
@@ -145,7 +155,23 @@ def kernel_args(kernel, args: dict) -> tuple:
     if args.keys() != set(names):
         missing, unknown = sorted(set(names) - set(args)), sorted(set(args) - set(names))
         raise ValueError(f"{kernel._pyfunc.__name__}: missing {missing}, unknown {unknown}")
-    return tuple(args[name] for name in names)
+    return tuple(_launchable(kernel, name, args[name]) for name in names)
+
+
+def _launchable(kernel, name: str, value):
+    """``value`` as a launch takes it. A tensor that requires grad (a trained D or dt_bias read
+    by the decode step, say) is read through a detached view where grad mode is off; with grad
+    mode on, the launch would drop the gradient silently, so it raises instead (differentiable
+    entry points run their kernels inside an autograd.Function, where grad mode is off)."""
+    if not getattr(value, "requires_grad", False):
+        return value
+    import torch
+
+    if torch.is_grad_enabled():
+        raise ValueError(f"{kernel._pyfunc.__name__}: {name} requires grad, and this kernel has "
+                         "no backward: call it under torch.no_grad(), or through a "
+                         "differentiable entry point")
+    return value.detach()
 
 
 class Step(NamedTuple):
@@ -161,7 +187,7 @@ class Step(NamedTuple):
 def launch(kernel, grid: tuple, args: dict, device=None, quick=None) -> None:
     """Launch ``kernel`` over ``grid`` with ``args`` (parameter name -> value, see
     :func:`kernel_args`) on the current stream of ``device``, or record it under
-    :func:`capture` or :func:`trace`.
+    :func:`trace`, or hand it to the handler of :func:`intercept` (:func:`capture` records it).
 
     quick: a :class:`QuickFirst` for a kernel whose tuned build compiles for long; until that
     build is ready the quick one runs in its place (see the module docstring).
@@ -178,9 +204,10 @@ def launch(kernel, grid: tuple, args: dict, device=None, quick=None) -> None:
 def run(steps, arguments, device) -> None:
     """Launch each of ``steps`` (:class:`Step`) with its argument tuple from ``arguments``
     (in the kernel's parameter order), in order, on the current stream of ``device``; under
-    :func:`capture`, record them instead."""
-    if _captured is not None:
-        _captured.extend(Launch(s.kernel, s.grid, a) for s, a in zip(steps, arguments, strict=True))
+    :func:`intercept`, hand them to its handler instead."""
+    if _handler is not None:
+        for step, args in zip(steps, arguments, strict=True):
+            _handler(Launch(step.kernel, step.grid, args))
         return
     import torch
 

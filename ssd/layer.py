@@ -44,7 +44,9 @@ sequence, (b, 1, d_model), and advances the cache in place::
 The SSM step is the backend's decode function (:func:`step_function`):
 ``ssd.selective_state_update`` (cutile), mamba_ssm's ``selective_state_update`` (mamba_ssm),
 :func:`selective_state_update_torch` (torch), the float64 NumPy step (reference). The conv step
-is :func:`conv_step_torch`, or ``ssd.layer_ops.conv_step`` with ``kernels="cutile"``.
+is :func:`conv_step_torch`, or ``ssd.layer_ops.conv_step`` (one cuTile kernel) with
+``kernels="cutile"``; the gated RMSNorm's kernel takes the step's (b, d_inner) rows as it takes
+the forward's.
 :class:`Mamba2Stack` has the same ``prefill`` / ``step`` / ``new_cache`` with one cache a layer.
 
 Dimension legend as everywhere in ``ssd`` (see ``ssd.reference``): b batch, l seqlen, h
@@ -54,9 +56,10 @@ chunk_size. Mamba-2's own names: d_inner = expand * d_model = h * p; conv_dim = 
 Training: the weights are made frozen (``requires_grad=False``), so an inference forward builds
 no autograd graph; ``module.requires_grad_()`` makes them trainable, and ``forward`` is then
 differentiable wherever the SSD backend is (``torch``; ``mamba_ssm``, whose Triton SSD is an
-autograd Function; ``cutile`` where ``ssd.mamba_chunk_scan_combined`` is) and the conv and norm
-are the PyTorch ones. ``reference`` (a NumPy copy) and ``kernels="cutile"`` have no backward and
-raise NotImplementedError when a gradient is required. ``prefill`` and ``step`` never record one
+autograd Function; ``cutile`` where ``ssd.mamba_chunk_scan_combined`` is), with either
+``kernels``: the cuTile conv and norm run inside autograd Functions whose backward is PyTorch
+(:mod:`ssd.layer_autograd`). ``reference`` (a NumPy copy) has no backward and raises
+NotImplementedError when a gradient is required. ``prefill`` and ``step`` never record one
 (generation). ``ssd.tools.train`` trains a language model on this stack.
 
 Numerics follow mamba_ssm's ``Mamba2`` module: A_log, dt_bias and D stay in fp32 whatever the
@@ -1143,6 +1146,7 @@ class Mamba2LM(nn.Module):
             in mixed precision under ``torch.autocast``).
         n_layers: the stack's depth.
         backend: the SSD backend of every layer (:data:`BACKENDS`; one with a backward).
+        kernels: the conv and norm of every layer (:data:`KERNELS`; both train).
         tie: the LM head is the embedding matrix (True) or a linear map of its own.
         device: where the weights live (default: the CPU).
         seed: the stack's weights are ``Mamba2Stack(config, n_layers, seed=seed)``'s; the
@@ -1157,14 +1161,16 @@ class Mamba2LM(nn.Module):
     """
 
     def __init__(self, vocab_size: int, config: Mamba2Config, n_layers: int,
-                 backend: str = "torch", *, tie: bool = True, device=None, seed: int = 0):
+                 backend: str = "torch", *, kernels: str = "torch", tie: bool = True,
+                 device=None, seed: int = 0):
         super().__init__()
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
             raise ValueError(f"vocab_size: expected an int >= 2, got {vocab_size!r}")
         self.config, self.vocab_size = config, vocab_size
         device = torch.device(device or "cpu")
         d, dtype = config.d_model, config.torch_dtype
-        self.stack = Mamba2Stack(config, n_layers, backend, device=device, seed=seed)
+        self.stack = Mamba2Stack(config, n_layers, backend, kernels=kernels, device=device,
+                                 seed=seed)
         # Another seed than the stack's: the same seed would replay the same random stream.
         gen = torch.Generator(device=device).manual_seed(seed + 0x5EED)
         self.embedding = nn.Embedding.from_pretrained(torch.empty(

@@ -14,7 +14,7 @@ are their slow truths, computed in float64 whatever the input dtype:
 * :func:`conv_step` -- the same convolution one token further in generation: the conv state
   holds the w - 1 previous inputs, and the step is :func:`causal_conv1d` of one position with
   that state as its initial state (:func:`conv_step_torch`: the same step in PyTorch, what the
-  layer runs today).
+  layer runs with ``kernels="torch"``; :mod:`ssd.kernels.conv_step` is the cuTile one).
 * :func:`gated_rmsnorm` -- Mamba-2's gated RMSNorm with the gate before the norm (mamba_ssm's
   ``RMSNormGated(norm_before_gate=False)``), per group of ``group_size`` channels:
 
@@ -64,8 +64,10 @@ def conv1d_dims(*, x, weight, bias=None, seq_idx=None, initial_states=None) -> t
     return b, l, c, w
 
 
-def conv_step_dims(*, conv_state, x, weight, bias=None) -> tuple:
-    """(b, c, w) from the shapes of :func:`conv_step`'s arguments (bias None: absent).
+def conv_step_dims(*, conv_state, x, weight, bias=None, state_batch_indices=None) -> tuple:
+    """(b, c, w) from the shapes of :func:`conv_step`'s arguments (bias None: absent). With
+    ``state_batch_indices`` (b,) (the kernel's paged cache), conv_state may hold any number of
+    rows, (s, c, w-1).
 
     Raises ValueError naming the argument whose shape does not fit."""
     b, c = _shape_of("x", x, 2, "(batch, channels)")
@@ -76,9 +78,19 @@ def conv_step_dims(*, conv_state, x, weight, bias=None) -> tuple:
         raise ValueError(f"weight: expected (channels={c}, width >= 1), got {tuple(weight)}")
     if bias is not None and tuple(bias) != (c,):
         raise ValueError(f"bias: expected ({c},), got {tuple(bias)}")
-    if conv_state is None or tuple(conv_state) != (b, c, w - 1):
-        raise ValueError(f"conv_state: expected (batch={b}, channels={c}, width-1={w - 1}), "
-                         f"got {None if conv_state is None else tuple(conv_state)}")
+    if state_batch_indices is None:
+        if conv_state is None or tuple(conv_state) != (b, c, w - 1):
+            raise ValueError(f"conv_state: expected (batch={b}, channels={c}, width-1={w - 1}), "
+                             f"got {None if conv_state is None else tuple(conv_state)}")
+        return b, c, w
+    if tuple(state_batch_indices) != (b,):
+        raise ValueError(f"state_batch_indices: expected (batch={b},), got "
+                         f"{tuple(state_batch_indices)}")
+    if conv_state is None or len(conv_state) != 3 or conv_state[0] < 1 \
+            or tuple(conv_state[1:]) != (c, w - 1):
+        raise ValueError(f"conv_state: expected (rows >= 1, channels={c}, width-1={w - 1}) with "
+                         f"state_batch_indices, got "
+                         f"{None if conv_state is None else tuple(conv_state)}")
     return b, c, w
 
 
@@ -192,9 +204,9 @@ def conv_step(conv_state, x, weight, bias=None, activation="silu"):
 
 def conv_step_torch(conv_state, x, weight, bias=None, activation="silu"):
     """One token through the depthwise causal conv1d, in plain PyTorch: the decode step of
-    :func:`ssd.layer.causal_conv1d_torch` (the layer's ``kernels="torch"``;
-    :func:`ssd.layer_ops.conv_step` runs it too). Computes in fp32 (fp64 for fp64) and rounds
-    once, as :func:`conv_step` does in float64.
+    :func:`ssd.layer.causal_conv1d_torch` (the layer's ``kernels="torch"``; with
+    ``kernels="cutile"`` :func:`ssd.layer_ops.conv_step` launches the cuTile step). Computes in
+    fp32 (fp64 for fp64) and rounds once, as :func:`conv_step` does in float64.
 
     Args:
         conv_state: (b, c, w-1) of x's dtype, the w-1 previous inputs, oldest first; updated

@@ -5,12 +5,12 @@ travel on its report (``user_properties``), and the process that logs the report
 them: the same process in a plain run, the controller under pytest-xdist (``pytest -m gpu -n 8``
 compiles kernel variants in parallel; tileiras is single-threaded). At the end of a run that
 ran any, the rows, the pass/fail counts, the worst error per dtype and the environment go to
-``results/<gpu>/gpu_tests.json`` (the run summary the Kernels issue asks for, read back by
+``results/<gpu>/gpu_tests.json.gz`` (the run summary the Kernels issue asks for, read back by
 notebook 08), with the ids of any failed tests. Rows tagged ``record=NAME`` go to
-``results/<gpu>/gpu_NAME_tests.json`` instead: ``mixer``, the whole-layer checks of
+``results/<gpu>/gpu_NAME_tests.json.gz`` instead: ``mixer``, the whole-layer checks of
 tests/test_mamba2.py, and ``decode``, the decode step's of tests/test_gpu_decode.py, which have
 no per-stage tolerance for notebook 08 to check them against. A run with injected faults
-(``SSD_INJECT_FAULT``, see ssd.validate) writes its summary to ``results/<gpu>/gpu_faults.json``
+(``SSD_INJECT_FAULT``, see ssd.validate) writes its summary to ``results/<gpu>/gpu_faults.json.gz``
 (how often each fault was put in, visible and caught by each criterion, per test family, and
 the rows of any visible fault that was missed) and leaves the other files as they are.
 """
@@ -184,9 +184,9 @@ def pytest_sessionfinish(session, exitstatus):
                                               if r["test"].split("/")[0] == family])
                        for family in sorted({r["test"].split("/")[0] for r in fault_rows})},
                    "missed": pack_rows(missed), "environment": env}
-    path = write_json(folder / ("gpu_faults.json" if faults else "gpu_tests.json"), summary)
+    path = write_json(folder / ("gpu_faults.json.gz" if faults else "gpu_tests.json.gz"), summary)
     print(f"\n[gpu] {len(rows)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
     for name, kept in records.items() if not faults else ():
-        path = write_json(folder / f"gpu_{name}_tests.json",
+        path = write_json(folder / f"gpu_{name}_tests.json.gz",
                           dict(environment=env, rows=pack_rows(kept)))
         print(f"[gpu] {len(kept)} {name} checks written to {path}")

@@ -19,22 +19,26 @@ from ssd.tools import aot  # noqa: E402
 
 FORWARD_KERNELS = {"chunk_cumsum_kernel", "chunk_state_kernel", "state_passing_kernel",
                    "chunk_scan_kernel", "fused_scan_kernel"}
-BACKWARD_KERNELS = {"state_passing_backward_kernel", "state_passing_backward_rows_kernel",
+BACKWARD_KERNELS = {"chunk_scan_backward_columns_kernel", "chunk_scan_backward_rows_kernel",
+                    "chunk_scan_backward_states_kernel",
+                    "state_passing_backward_kernel", "state_passing_backward_rows_kernel",
                     "chunk_state_backward_dx_kernel", "chunk_state_backward_dB_kernel",
                     "chunk_cumsum_backward_kernel", "chunk_cumsum_backward_sum_kernel"}
 KERNELS = FORWARD_KERNELS | BACKWARD_KERNELS | {"chunk_state_varlen_kernel",
                                                 "state_update_kernel", "causal_conv1d_kernel",
-                                                "gated_rmsnorm_kernel"}
+                                                "gated_rmsnorm_kernel", "conv_step_kernel"}
 
 
 # Every kernel for every arch in bf16, the dtype models run in: the forward (both feature sets,
 # fused and split stage 2, the one kernel), each packed sequence's final state, the backward's
-# stage kernels (every option on), the decode step
-# (an fp32 state and one of the inputs' dtype) and the layer's conv (with and without seq_idx
-# and an initial state) and norm. fp32 and fp16 for sm_90, the forward with every feature only:
-# fp32 costs the most compile time (its chunk_scan and one kernel take about 30 s each on a
-# 2-core CPU). The risk this leaves: a compile failure of one dtype on sm_80 or sm_100 alone,
-# or of the other kernels in fp32 or fp16 (the GPU tests run every dtype on sm_90). One arch a test, so that xdist spreads the compiles over the cores.
+# stage kernels (every option on), the decode step (an fp32 state and one of the inputs' dtype)
+# and the layer's conv (with and without seq_idx and an initial state), norm and conv step (with
+# and without a paged cache). fp32 and fp16
+# for sm_90, the forward with every feature only: fp32 costs the most compile time (its
+# chunk_scan and one kernel take about 30 s each on a 2-core CPU). The risk this leaves: a
+# compile failure of one dtype on sm_80 or sm_100 alone, of the other kernels in fp32 or fp16,
+# or of the backward without its options (the GPU tests run every dtype and feature set on
+# sm_90). One arch a test, so that xdist spreads the compiles over the cores.
 @pytest.mark.parametrize("dtype, archs", [("bfloat16", (a,)) for a in aot.ARCHS]
                          + [("float32", ("sm_90",)), ("float16", ("sm_90",))])
 def test_every_kernel_compiles_for_every_arch(dtype, archs):
@@ -576,9 +580,9 @@ def test_decode_step_reads_a_per_head_value_once_a_block(features, widths):
 
 
 def test_layer_kernels_do_not_spill():
-    """The layer's conv and norm on sm_90 at the 2.7b layer's widths (the norm's widest shipped
-    tile: one group of 5120 channels padded to 8192, one row a block) keep everything in
-    registers: no stack."""
+    """The layer's conv, norm and conv step on sm_90 at the 2.7b layer's widths (the norm's
+    widest shipped tile: one group of 5120 channels padded to 8192, one row a block) keep
+    everything in registers: no stack."""
     for record in aot.capture_layer("bfloat16", "none", preset="2.7b"):
         use = aot.resource_usage(aot.export_cubin(record, "sm_90"))
         assert use["stack_bytes"] == 0, (record.kernel._pyfunc.__name__, use)

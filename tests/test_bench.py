@@ -2,8 +2,9 @@
 recorded-results plumbing the GPU chapters use, and the results folder names."""
 import json
 import math
+import os
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -522,7 +523,241 @@ def test_compile_ahead_needs_a_cache_and_reports_a_failed_worker(tmp_path, monke
     shape = bench.Shape("tiny", 1, 64, 2, 8, 16, 1)
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", "off")
     with pytest.raises(RuntimeError, match="no cache folder"):
-        bench.compile_ahead(shape, [(64, SSDConfig())], workers=2)
+        bench.compile_ahead([(shape, 64, SSDConfig())], workers=2)
     monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match=r"1 of 1 workers failed(.|\n)*Error"):
-        bench.compile_ahead(shape, [(64, SSDConfig())], workers=2)
+        bench.compile_ahead([(shape, 64, SSDConfig())], workers=2)
+
+
+def test_compile_ahead_hands_each_worker_its_share_of_the_calls(tmp_path, monkeypatch):
+    """Every call reaches one worker, round robin, as JSON the worker reads back into the same
+    shape (a packed one's boundaries included), chunk size and configuration (None: the API's
+    default on the GPU)."""
+    from ssd.config import SSDConfig
+
+    jobs = []
+
+    class Proc:
+        def __init__(self, argv, stdin, **kw):
+            assert argv[1:] == ["-m", "ssd.tools.bench", "--compile-job"]
+            assert kw["env"]["SSD_QUICK_FIRST_CALL"] == "0"  # tuned builds only
+            self.stdin = self
+
+        def write(self, text):
+            jobs.append(json.loads(text))
+
+        def close(self):
+            pass
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setenv("CUDA_TILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(bench.subprocess, "Popen", Proc)
+    packed = next(s for s in bench.SUITES["robust"] if s.packed)
+    flat = bench.Shape("flat", 1, 64, 2, 8, 16, 1)
+    calls = [(packed, 64, None), (flat, 64, SSDConfig()), (flat, 128, None)]
+    assert bench.compile_ahead(calls, workers=2) >= 0
+    assert [len(j) for j in jobs] == [2, 1]
+    fields, q, cfg = jobs[0][0]
+    assert bench.Shape(**dict(fields, seq_boundaries=tuple(fields["seq_boundaries"]))) == packed
+    assert (q, cfg) == (64, None) and SSDConfig.from_dict(jobs[1][0][2]) == SSDConfig()
+
+
+class FakeClock:
+    """A stand-in for the wall clock: time moves only when a stub says so."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, seconds):
+        self.t += seconds
+
+
+def test_phase_clock_adds_up_each_phase_and_what_none_covered(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(bench, "_now", clock)
+    phases = bench.PhaseClock()
+    for _ in range(2):
+        with phases("gate"):
+            clock.advance(1.5)
+        clock.advance(0.25)  # in no phase
+    with pytest.raises(ValueError), phases("first/ssd"):  # a phase that raises still counts
+        clock.advance(4.0)
+        raise ValueError
+    got = phases.stop()
+    assert got == {"gate": 3.0, "first/ssd": 4.0, "other": 0.5, "total": 7.5}
+    assert list(got) == ["gate", "first/ssd", "other", "total"]
+    assert bench.phase_line("r00", got) == ("[bench] r00: 7.5 s: gate 3.0, first/ssd 4.0, "
+                                            "other 0.5")
+
+
+# seconds each stubbed step takes: (first call, one timed run) per implementation
+COST = {"ssd": (2.0, 0.5), "mamba_ssm": (30.0, 1.0)}
+
+
+def _stub_suite(monkeypatch, clock):
+    """run_suite with every GPU step stubbed, each advancing ``clock`` by a known time;
+    returns the list compile_ahead's calls go to and the SSD_QUICK_FIRST_CALL each first call
+    of ours saw."""
+    from ssd.tools import peers
+
+    compiled, quick = [], []
+    monkeypatch.setenv("SSD_QUICK_FIRST_CALL", "1")  # as a user's process has it
+    monkeypatch.setattr(bench, "_now", clock)
+    monkeypatch.setattr(bench, "compile_ahead", lambda calls, workers:
+                        compiled.append((calls, workers)) or clock.advance(7.0))
+    monkeypatch.setattr(bench, "make_inputs", lambda shape, dtype: clock.advance(0.5) or {})
+
+    class Gate:
+        def __init__(self, shape, inputs):
+            clock.advance(4.0)  # the float64 reference
+
+        def __call__(self, y):
+            clock.advance(0.25)
+            return 1e-3
+
+    def first_call(fn):
+        if fn == "ssd":
+            quick.append(os.environ.get("SSD_QUICK_FIRST_CALL"))
+        clock.advance(COST[fn][0])
+        return COST[fn][0], None, "y", "y"
+
+    monkeypatch.setattr(bench, "Gate", Gate)
+    monkeypatch.setattr(bench, "implementations", lambda inputs, names, config, our_chunks: (
+        {"ssd": dict.fromkeys(our_chunks, "ssd"),
+         "mamba_ssm": dict.fromkeys(bench.SUITE_CHUNKS, "mamba_ssm")}, {}))
+    monkeypatch.setattr(bench, "first_call", first_call)
+    monkeypatch.setattr(bench, "time_fn", lambda fn, mode, l2, reps:
+                        clock.advance(COST[fn][1]) or dict(median_ms=1.0))
+    monkeypatch.setattr(bench, "floor_ms", lambda shape, ceilings: dict(floor_ms=0.1))
+    monkeypatch.setattr(peers, "retune_mamba_ssm", lambda: 0)
+    monkeypatch.setattr(peers, "mamba_ssm_configs", lambda: {})
+    return compiled, quick
+
+
+def test_a_suite_records_where_each_shapes_seconds_go(monkeypatch, capsys):
+    """Per shape, the wall seconds of each phase (stubbed steps of known cost): the reference
+    and comparisons in gate, each implementation's first calls and timed runs apart; the
+    run's own phases (compiling ahead) in a row naming its shapes; a line a shape printed."""
+    clock = FakeClock()
+    compiled, quick = _stub_suite(monkeypatch, clock)
+    shapes = bench.SUITES["robust"][:2]
+    payload = bench.run_suite(shapes, impls=("ssd", "mamba_ssm"), l2s=("flushed",),
+                              stages=False, ceilings={}, reps=3, compile_workers=3,
+                              policy=bench.SUITE_POLICIES["robust"])
+    # robust: ours at one chunk size (2 modes), mamba_ssm at three; two gate checks a call
+    want = {"inputs": 0.5, "gate": 4.0 + 4 * 2 * 0.25, "first/ssd": 2.0, "timed/ssd": 2 * 0.5,
+            "first/mamba_ssm": 3 * 30.0, "timed/mamba_ssm": 3 * 2 * 1.0, "other": 0.0}
+    want["total"] = sum(want.values())
+    assert payload["phase_s"] == {s.name: want for s in shapes}
+    assert list(payload["phase_s"][shapes[0].name]) == list(want)
+    assert payload["run_phase_s"] == [dict(shapes=[s.name for s in shapes], precompile=7.0,
+                                           all_shapes=2 * want["total"], other=0.0,
+                                           total=7.0 + 2 * want["total"], compile_workers=3)]
+    out = capsys.readouterr().out
+    assert f"[bench] {shapes[1].name}: 105.5 s: inputs 0.5, gate 6.0, first/ssd 2.0" in out
+    # compiled ahead: ours' kernels for every shape at its chunk size, before any first call,
+    # which then takes the tuned build from the cache (no quick build)
+    assert compiled == [([(s, bench.OUR_CHUNK, None) for s in shapes], 3)]
+    assert quick == ["0", "0"] and os.environ["SSD_QUICK_FIRST_CALL"] == "1"  # restored
+    ours = [r for r in payload["records"] if r["impl"] == "ssd"]
+    theirs = [r for r in payload["records"] if r["impl"] == "mamba_ssm"]
+    assert {r["chunk_size"] for r in ours} == {bench.OUR_CHUNK}
+    assert {r["chunk_size"] for r in theirs} == set(bench.SUITE_CHUNKS)
+    assert all(r["precompiled"] for r in ours) and not any("precompiled" in r for r in theirs)
+    assert payload["settings"]["our_chunk_sizes"] == [bench.OUR_CHUNK]
+    assert payload["settings"]["precompiled"] is True
+
+
+def test_the_models_suite_keeps_cold_first_calls_at_every_chunk_size(monkeypatch):
+    clock = FakeClock()
+    compiled, quick = _stub_suite(monkeypatch, clock)
+    policy = bench.SUITE_POLICIES.get("models", bench.SuitePolicy())
+    payload = bench.run_suite(bench.SUITES["models"][:1], impls=("ssd", "mamba_ssm"),
+                              l2s=("flushed",), stages=False, ceilings={}, policy=policy)
+    assert compiled == [] and quick == ["1"] * 3
+    assert "precompile" not in payload["run_phase_s"][0]
+    ours = [r for r in payload["records"] if r["impl"] == "ssd"]
+    assert {r["chunk_size"] for r in ours} == set(bench.SUITE_CHUNKS)
+    assert not any("precompiled" in r for r in payload["records"])
+    assert payload["phase_s"]["130m"]["first/ssd"] == 3 * 2.0
+
+
+def test_suite_policies():
+    """robust: ours at the recommended chunk size only, against mamba_ssm's best of three,
+    compiled ahead; serving compiled ahead; the suites whose first calls are a result keep
+    them cold."""
+    robust, serving = bench.SUITE_POLICIES["robust"], bench.SUITE_POLICIES["serving"]
+    assert robust == bench.SuitePolicy(our_chunks=(bench.OUR_CHUNK,), precompile=True)
+    assert serving.precompile and serving.our_chunks == bench.SUITE_CHUNKS
+    for suite in ("models", "first-call", "study", "seqlen"):
+        assert not bench.SUITE_POLICIES.get(suite, bench.SuitePolicy()).precompile
+    inputs = bench.make_inputs(bench.Shape("tiny", 1, 128, 2, 8, 8, 1), "float32", device="cpu")
+    table, _ = bench.implementations(inputs, names=("ssd",), our_chunks=(64,))
+    assert list(table["ssd"]) == [64]
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--suite", "robust"], bench.SuitePolicy((bench.OUR_CHUNK,), True)),
+    (["--suite", "robust", "--no-precompile"], bench.SuitePolicy((bench.OUR_CHUNK,), False)),
+    (["--suite", "robust", "--our-chunks", "256,64"], bench.SuitePolicy((64, 256), True)),
+    (["--suite", "models"], bench.SuitePolicy()),
+    (["--suite", "models", "--precompile"], bench.SuitePolicy(precompile=True))])
+def test_the_command_line_reads_the_suites_policy(argv, want, monkeypatch):
+    taken = []
+    monkeypatch.setattr(bench, "fresh_kernel_caches", lambda stack: {})
+    monkeypatch.setattr(bench, "_run", lambda parser, args, shapes, names, caches:
+                        taken.append(args.policy) or 0)
+    assert bench.main(argv) == 0 and taken == [want]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "robust", "--our-chunks", "32"], "expected some of 64,128,256"),
+    (["--suite", "study", "--precompile"], "go with a suite of shapes"),
+    (["--suite", "first-call", "--our-chunks", "64"], "go with a suite of shapes")])
+def test_bad_policy_options_are_clear_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_merged_shards_keep_each_shapes_phases_and_each_runs_row():
+    env = dict(git_revision="rev-a", gpu="NVIDIA H100")
+
+    def run(*names):
+        return dict(records=[dict(shape=n, impl="ssd") for n in names], settings={},
+                    environment=env, phase_s={n: dict(total=1.0) for n in names},
+                    run_phase_s=[dict(shapes=list(names), precompile=5.0)])
+
+    merged = bench.merge_runs(run("a", "b"), run("c"))
+    assert set(merged["phase_s"]) == {"a", "b", "c"}
+    assert [r["shapes"] for r in merged["run_phase_s"]] == [["a", "b"], ["c"]]
+    again = bench.merge_runs(merged, run("c"))  # a shard run again replaces its run's row
+    assert [r["shapes"] for r in again["run_phase_s"]] == [["a", "b"], ["c"]]
+
+
+def test_a_compile_worker_runs_each_call_once_on_its_shapes_inputs(monkeypatch):
+    """A compile_ahead worker makes a shape's inputs once for its calls, passes a packed shape's
+    seq_idx, and the configuration it was given (None: the API's default)."""
+    import torch
+
+    from ssd import api
+    from ssd.config import SSDConfig
+
+    made, calls, make = [], [], bench.make_inputs
+    monkeypatch.setattr(bench, "make_inputs", lambda shape: made.append(shape.name) or
+                        make(shape, "float32", device="cpu"))
+    monkeypatch.setattr(api, "mamba_chunk_scan_combined", lambda *a, config, **kw:
+                        calls.append((a[5], config, "seq_idx" in kw)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    packed = bench.Shape("p", 1, 96, 4, 16, 8, 2, seq_boundaries=(40,))
+    flat = bench.Shape("f", 1, 64, 2, 8, 16, 1)
+    job = [[asdict(s), q, c] for s, q, c in
+           ((packed, 64, None), (packed, 128, None), (flat, 64, asdict(SSDConfig())))]
+    bench._compile_job(json.loads(json.dumps(job)))
+    assert made == ["p", "f"]
+    assert calls == [(64, None, True), (128, None, True), (64, SSDConfig(), False)]

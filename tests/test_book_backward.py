@@ -129,3 +129,38 @@ def test_save_or_recompute_scales_as_n_over_q():
         assert 0 < row["share"] < 1 and row["rebuild_us"] < row["forward_us"]
     by = {(r["shape"], r["q"]): r for r in table}
     assert by[("130m", 64)]["prev_mb"] == pytest.approx(4 * by[("130m", 256)]["prev_mb"])
+
+
+def test_kernel_table_reads_the_kernels_and_their_launches():
+    table = BW.kernel_table("bfloat16")
+    d = table.dims
+    assert d["c"] == math.ceil(d["l"] / d["q"])
+    by = {r["kernel"].strip("`"): r for r in table}
+    assert list(by)[:3] == ["chunk_scan_backward_columns_kernel",
+                            "chunk_scan_backward_rows_kernel",
+                            "chunk_scan_backward_states_kernel"]        # the order of the stages
+    assert table.column("stage")[-1] == "`chunk_cumsum`"
+    columns, rows = by["chunk_scan_backward_columns_kernel"], by["chunk_scan_backward_rows_kernel"]
+    assert columns["writes"] == "`dx`, `dB`, `ddt_out`, `ddA_cumsum`"
+    assert "`ddA_cumsum` (+=)" in rows["writes"] and "`prev_states`" in rows["reads"]
+    assert columns["blocks"] == d["b"] * d["c"] * d["g"] * 4          # q / 64 column blocks
+    assert by["state_passing_backward_rows_kernel"]["reads"] == "`ddecay_parts`"
+    for r in table:                                                    # a read is no write
+        written = {w.split(" ")[0] for w in r["writes"].split(", ")}
+        assert written and not written & set(r["reads"].split(", ")), r["kernel"]
+
+
+def test_grid_formula_is_checked_against_the_launch():
+    grid, block = BW._grid_formula("Grid: (b * c, g, cdiv(n, BLOCK_N)); one block walks.")
+    assert (grid, block) == ("(b * c, g, cdiv(n, BLOCK_N))", "one block walks")
+    dims = dict(b=2, l=384, h=8, p=64, g=2, n=128, c=2, q=256)
+    assert BW._grid_value(grid, dict(BLOCK_N=32, HAS_SEQ=True), dims) == (4, 2, 4)
+    assert BW._grid_value("(b, h, slices)", dict(BLOCK_P=64, BLOCK_N=32), dims) == (2, 8, 4)
+
+
+def test_contract_table_matches_the_numpy_ladder():
+    table = BW.contract_table(TINY)
+    assert [r["gradient"] for r in table] == [
+        "`dx`", "`ddt`", "`dA`", "`dB`", "`dC`", "`dD`", "`dz`", "`ddt_bias`",
+        "`dinitial_states`"]
+    assert max(table.column("rel_err")) < 1e-13

@@ -139,6 +139,17 @@ def test_first_call_and_tuning(rec):
         assert r["tilegym_search_s"] == src.get("tuning_s")
 
 
+def test_tuning_table_shows_no_first_call_of_kernels_compiled_ahead(rec):
+    """A run that compiled our kernels first (bench.SuitePolicy.precompile) times a cache hit
+    as ours' first call: the table shows none, and mamba_ssm's as recorded."""
+    m = rec["models"]
+    ahead = dict(m, records=[dict(r, precompiled=True) if r["impl"] == "ssd" else r
+                             for r in m["records"]])
+    for cold, warm in zip(peers.tuning_table(m), peers.tuning_table(ahead)):
+        assert warm["ssd_s"] is None and warm["ssd_tuned_s"] is None
+        assert cold["ssd_s"] is not None and warm["mamba_ssm_s"] == cold["mamba_ssm_s"]
+
+
 def test_method_and_environment(rec):
     m = rec["models"]
     how = {r["what"]: r["how"] for r in peers.method_table(m)}

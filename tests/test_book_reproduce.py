@@ -53,9 +53,8 @@ def test_make_targets():
 
 def test_writes(notebooks):
     w = lambda c: rp.writes(c, notebooks)  # noqa: E731
-    assert w("python -m pytest -m gpu -n auto tests/") == ["<gpu>/gpu_tests.json",
-                                                          "<gpu>/gpu_mixer_tests.json",
-                                                          "<gpu>/gpu_decode_tests.json"]
+    assert w("python -m pytest -m gpu -n auto tests/") == [
+        f"<gpu>/gpu_{name}tests.json.gz" for name in ("", "mixer_", "decode_", "backward_")]
     assert w('python -m pytest -m "not gpu" tests/') == []
     assert w("python -m ssd.tools.bench --suite first-call") == ["<gpu>/first-call.json"]
     out = "results/$(python -m x --slug)/r.json"
@@ -90,7 +89,7 @@ def test_real_makefile_plan():
     tests = next(i for i, c in enumerate(commands) if "pytest" in c)
     bench = next(i for i, c in enumerate(commands) if "ssd.tools.bench" in c)
     assert tests < bench                                     # correctness before any timing
-    assert {"<gpu>/gpu_tests.json", "<gpu>/models.json"} <= set(written)
+    assert {"<gpu>/gpu_tests.json.gz", "<gpu>/models.json"} <= set(written)
     serving_and_training = {"decode", "serving_scenario", "robust", "backward", "training",
                             "training_step"}
     assert {f"<gpu>/{n}.json" for n in serving_and_training} <= set(written)
@@ -105,7 +104,7 @@ def test_recordings_and_environment(recs):
     assert f"{BOOK_GPU}/models.json" in recs and f"{BOOK_GPU}/endtoend.json" in recs
     envs = rp.environment_table(recs)
     with_env = [n for n, p in recs.items() if p.get("environment")]
-    assert envs.column("file") == [n.removesuffix(".json") for n in with_env]
+    assert envs.column("file") == [n.removesuffix(".gz").removesuffix(".json") for n in with_env]
     revs = rp.revisions(recs)
     assert sorted(n for names in revs.values() for n in names) == sorted(with_env)
     common = rp.common_versions(recs)

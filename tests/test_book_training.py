@@ -21,9 +21,13 @@ from ssd.tools.bench import SUITES  # noqa: E402
 
 SHAPES = SUITES["models"][:3]
 #: (forward, forward + backward) ms of each implementation at chunk 64 (chunk 128: twice), and
-#: its extra peak MB; ours is 2.5x mamba_ssm on the first shape, 1.8x on the others.
-TIMES = {"ssd": (0.2, 1.0), "mamba_ssm": (0.5, 2.5)}
-MB = {"ssd": 300.0, "mamba_ssm": 250.0}
+#: its extra peak MB; ours is 2.5x mamba_ssm on the first shape, 1.8x on the others; 2.0x
+#: TileGym untuned on the first, 1.44x on the others; 1.1x TileGym tuned on the first, 0.79x on
+#: the others. TileGym runs at chunk 64 only.
+TIMES = {"ssd": (0.2, 1.0), "mamba_ssm": (0.5, 2.5), "tilegym": (0.6, 2.0),
+         "tilegym_tuned": (0.3, 1.1)}
+MB = {"ssd": 300.0, "mamba_ssm": 250.0, "tilegym": 200.0, "tilegym_tuned": 200.0}
+OURS_OTHER = TIMES["mamba_ssm"][1] / 1.8  # ours' forward + backward on the other shapes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,18 +39,18 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
-@pytest.fixture
-def backward(monkeypatch):
+def recorded(monkeypatch, impls=BB.DEFAULT_IMPLS):
     """backward_bench.run on the CPU with stand-ins: a forward + backward "returns" its time
     seven times over (the seven gradients), the forward its time; chunk 128 takes twice
     chunk 64's."""
-    def impls(leaves, names, chunks):
+    def impls_(leaves, names, chunks):
         table = {}
         for impl in names:
             f, fb = TIMES[impl]
             if impl == "ssd" and leaves["shape"] != SHAPES[0].name:
-                fb = TIMES["mamba_ssm"][1] / 1.8
-            table[impl] = {q: (lambda f=f * q / 64, fb=fb * q / 64: (f, fb)) for q in chunks}
+                fb = OURS_OTHER
+            sizes = (64,) if impl.startswith("tilegym") else chunks
+            table[impl] = {q: (lambda f=f * q / 64, fb=fb * q / 64: (f, fb)) for q in sizes}
         return table, {}
 
     def time_fn(fn, mode, l2, reps):
@@ -59,7 +63,7 @@ def backward(monkeypatch):
     monkeypatch.setattr(BB, "GradGate", lambda shape, inputs, dy: (
         lambda grads: dict(gate_rel_err=1e-3, gate_elem_ratio=0.1, ok=True)))
     monkeypatch.setattr(BB, "leaves_of", lambda inputs: inputs)
-    monkeypatch.setattr(BB, "implementations", impls)
+    monkeypatch.setattr(BB, "implementations", impls_)
     monkeypatch.setattr(BB, "inference", lambda fwd: (lambda: fwd()[0]))
     monkeypatch.setattr(BB, "training_step", lambda fwd, leaves, dy: (
         lambda: (fwd()[1],) * len(BB.LEAVES)))
@@ -68,10 +72,24 @@ def backward(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(peers, "retune_mamba_ssm", lambda: 0)
     monkeypatch.setattr(peers, "mamba_ssm_configs", lambda: {})
-    payload = BB.run(SHAPES, chunks=(64, 128), reps=3)
+    monkeypatch.setattr(peers, "retune_tilegym", lambda: 0)
+    monkeypatch.setattr(peers, "tilegym_configs", lambda tuned: {"k": [f"tuned={tuned}"]})
+    payload = BB.run(SHAPES, impls=impls, chunks=(64, 128), reps=3)
     for r in payload["records"]:  # what torch.cuda's peak would have said, per implementation
         r["extra_peak_mb"] = MB[r["impl"]]
     return payload
+
+
+@pytest.fixture
+def backward(monkeypatch):
+    """The default run: ours, mamba_ssm, TileGym untuned."""
+    return recorded(monkeypatch)
+
+
+@pytest.fixture
+def tuned(monkeypatch):
+    """make gpu-tilegym-backward's run: ours and TileGym tuned."""
+    return recorded(monkeypatch, ("ssd", "tilegym_tuned"))
 
 
 def test_fb_table_and_goals(backward):
@@ -91,10 +109,33 @@ def test_fb_table_and_goals(backward):
     assert goals["fwd+bwd over mamba_ssm, every shape"]["met"] is True
     memory = goals["extra peak memory over mamba_ssm's, every shape"]
     assert memory["met"] is False and memory["margin"] == pytest.approx(250 / 300 - 1)
-    assert goals["faster than TileGym fwd+bwd, every shape"]["where"] == "not recorded"
+    untuned = goals["faster than TileGym fwd+bwd, every shape"]
+    low = TIMES["tilegym"][1] / OURS_OTHER
+    assert untuned["met"] is True and untuned["margin"] == pytest.approx(low - 1)
+    assert untuned["where"] == SHAPES[1].name  # tied with SHAPES[2]: min takes the lesser name
+    assert goals["faster than TileGym tuned fwd+bwd, every shape"]["where"] == "not recorded"
+    assert first["x_tilegym"] == pytest.approx(2.0)
+    assert backward["tilegym_configs"][SHAPES[0].name] == {"tilegym": {"k": ["tuned=False"]}}
+    assert all(r["chunk_size"] == 64 for r in backward["records"] if r["impl"] == "tilegym")
     assert goals["stretch: our backward over our forward, every shape"]["met"] is False
     assert goals["first fwd+bwd call of a shape, compiles included (s)"]["met"] is True
     TR.plot_fb(backward)
+    none = dict(backward, records=[r for r in backward["records"] if r["impl"] != "tilegym"])
+    goals = {r["goal"]: r for r in TR.fb_goals(none)}
+    assert goals["faster than TileGym fwd+bwd, every shape"]["where"] == "not recorded"
+    assert goals["faster than TileGym fwd+bwd, every shape"]["met"] is None
+
+
+def test_tilegym_tuned_goal_read_from_its_own_recording(backward, tuned):
+    assert all(r.get("tuning") == "searched" for r in tuned["records"]
+               if r["impl"] == "tilegym_tuned")
+    assert tuned["tilegym_configs"][SHAPES[0].name] == {"tilegym_tuned": {"k": ["tuned=True"]}}
+    goals = {r["goal"]: r for r in TR.fb_goals(backward, tuned=tuned)}
+    row = goals["faster than TileGym tuned fwd+bwd, every shape"]
+    low = TIMES["tilegym_tuned"][1] / OURS_OTHER
+    assert row["met"] is False and row["margin"] == pytest.approx(low - 1)
+    assert row["where"] == SHAPES[1].name and row["measured"] == f"{low:.2f}×"
+    assert goals["faster than TileGym fwd+bwd, every shape"]["met"] is True  # still untuned's
 
 
 @pytest.fixture(scope="module")

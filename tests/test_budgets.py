@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from ssd.tools.env import read_json
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 RESULTS = ROOT / "results"
@@ -246,11 +248,17 @@ def test_repository_size():
 
 GPU_DIRS = sorted(p for p in RESULTS.iterdir() if p.is_dir() and p.name != "compile") \
     if RESULTS.is_dir() else []
-RECORDINGS = sorted(p for d in GPU_DIRS for p in d.glob("**/*.json"))
+RECORDINGS = sorted(p for d in GPU_DIRS for p in [*d.glob("**/*.json"), *d.glob("**/*.json.gz")])
 # results/compile/ holds what ssd.tools.aot records on the CPU (registers and spills of the
 # study's kernels); it carries an environment record too, and the chapters read it beside the
 # GPU recordings, so it must name the same revision when it names one.
 COMPILED = sorted((RESULTS / "compile").glob("**/*.json")) if RESULTS.is_dir() else []
+
+
+def _summaries() -> list:
+    """Each GPU's GPU-test summary, gzipped or not."""
+    return [p for d in GPU_DIRS for p in (d / "gpu_tests.json.gz", d / "gpu_tests.json")
+            if p.exists()]
 
 
 def _revisions(node) -> set[str]:
@@ -272,12 +280,11 @@ def _revisions(node) -> set[str]:
 def _reference_revision() -> str | None:
     """The revision the GPU tests' summary names (the one at which pytest -m gpu passed), or,
     without one, the revision most recordings name."""
-    summaries = {_rel(p): _revisions(json.loads(p.read_text())) for d in GPU_DIRS
-                 for p in [d / "gpu_tests.json"] if p.exists()}
+    summaries = {_rel(p): _revisions(read_json(p)) for p in _summaries()}
     named = {r for revs in summaries.values() for r in revs}
     if len(named) == 1:
         return named.pop()
-    counts = Counter(r for p in RECORDINGS for r in _revisions(json.loads(p.read_text())))
+    counts = Counter(r for p in RECORDINGS for r in _revisions(read_json(p)))
     return counts.most_common(1)[0][0] if counts else None
 
 
@@ -288,9 +295,8 @@ def _same(a: str, b: str) -> bool:
 
 
 def test_one_gpu_test_summary_revision():
-    summaries = {_rel(p): sorted(_revisions(json.loads(p.read_text()))) for d in GPU_DIRS
-                 for p in [d / "gpu_tests.json"] if p.exists()}
-    assert summaries, "results/<gpu>/gpu_tests.json: no GPU-test summary recorded"
+    summaries = {_rel(p): sorted(_revisions(read_json(p))) for p in _summaries()}
+    assert summaries, "results/<gpu>/gpu_tests.json.gz: no GPU-test summary recorded"
     named = {r for revs in summaries.values() for r in revs}
     assert len(named) == 1, f"GPU-test summaries name several revisions: {summaries}"
 
@@ -315,12 +321,12 @@ def _awaiting(paths):
 
 
 @pytest.mark.parametrize("path", _awaiting(RECORDINGS + [
-    p for p in COMPILED if _revisions(json.loads(p.read_text()))]), ids=_rel)
+    p for p in COMPILED if _revisions(read_json(p))]), ids=_rel)
 def test_recording_revision(path):
     ref = _reference_revision()
     assert ref, "results/: no recording names a git revision"
-    revs = _revisions(json.loads(path.read_text()))
+    revs = _revisions(read_json(path))
     assert revs, f"{_rel(path)}: no environment.git_revision recorded"
     wrong = sorted(r for r in revs if not _same(r, ref))
     assert not wrong, (f"{_rel(path)}: environment.git_revision {', '.join(wrong)}, "
-                       f"expected {ref} (that of results/<gpu>/gpu_tests.json)")
+                       f"expected {ref} (that of results/<gpu>/gpu_tests.json.gz)")

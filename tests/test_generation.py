@@ -433,7 +433,23 @@ CONV_STEP_ERRORS = {
     "conv_state dtype": (dict(conv_state=torch.randn(2, 6, 3, dtype=torch.float16)), TypeError,
                          "conv_state: dtype torch.float16"),
     "activation": (dict(activation="relu"), ValueError, "activation: expected one of"),
+    "indices shape": (dict(state_batch_indices=torch.zeros(3, dtype=torch.int32)), ValueError,
+                      r"state_batch_indices: expected \(batch=2,\)"),
+    "indices dtype": (dict(state_batch_indices=torch.zeros(2)), TypeError,
+                      "state_batch_indices: dtype torch.float32"),
+    "paged conv_state": (dict(state_batch_indices=torch.zeros(2, dtype=torch.int64),
+                              conv_state=torch.randn(5, 6, 2)), ValueError,
+                         r"conv_state: expected \(rows >= 1, channels=6, width-1=3\) with "
+                         "state_batch_indices"),
+    "conv_state stride 0": (dict(conv_state=torch.randn(1, 6, 3).expand(2, 6, 3)), ValueError,
+                            "conv_state: a stride of 0"),
+    "out shape": (dict(out=torch.empty(2, 7)), ValueError, r"out: expected shape \(2, 6\)"),
+    "out dtype": (dict(out=torch.empty(2, 6, dtype=torch.float16)), TypeError, "out: dtype"),
+    "grad": (dict(weight=torch.randn(6, 4, requires_grad=True)), NotImplementedError,
+             "weight: requires grad, but conv_step has no backward"),
     "cpu": ({}, ValueError, "x: must be a CUDA tensor"),
+    "cpu paged": (dict(state_batch_indices=torch.tensor([4, -1]), conv_state=torch.randn(5, 6, 3)),
+                  ValueError, "x: must be a CUDA tensor"),
 }
 
 

@@ -2,8 +2,7 @@
 
 ``ssd.mamba_chunk_scan_combined`` with inputs that require grad -- the cuTile forward inside
 ``ssd.autograd.ChunkScanCombined``, the backward of ``ssd.backward`` (its default table on a GPU:
-the cuTile stage kernels where one exists, PyTorch for chunk_scan; one test forces PyTorch
-throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
+every stage's cuTile kernels; one test forces PyTorch throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
 device inputs and the rounded upstream gradients, on fresh random inputs (a new seed per run,
 printed on failure; ``SSD_TEST_SEED`` replays one).
 
@@ -175,15 +174,13 @@ def test_model_like_chunk_sizes(chunk_size, gpu_record):
 
 
 def test_default_backward_takes_the_kernels():
-    """On a GPU the backward composes the cuTile stage kernels where one exists (these tests
-    exercise them), PyTorch for chunk_scan; float64 stays with PyTorch."""
+    """On a GPU the backward composes every stage's cuTile kernels (these tests exercise them);
+    float64 stays with PyTorch."""
     from ssd import backward as TB
 
     table = TB.default_backwards(torch.empty(1, device="cuda"))
     assert table == TB.cutile_backwards()
-    assert table.chunk_scan is TB.chunk_scan_backward_torch
-    assert all(f.__name__.endswith("_backward_cutile")
-               for f in (table.state_passing, table.chunk_state, table.chunk_cumsum))
+    assert all(f.__name__.endswith("_backward_cutile") for f in table)
     assert TB.default_backwards(torch.empty(1, device="cuda", dtype=torch.float64)) \
         is TB.TORCH_BACKWARDS
 

@@ -5,7 +5,9 @@ from the *rounded* device inputs, on fresh random inputs (a new seed per run, pr
 failure; ``SSD_TEST_SEED`` replays a run), written into an output buffer filled with NaN before
 the launch, so that an element the kernel does not write fails. Inputs come in the layouts the
 mixer hands over: xBC and z as column slices of a wider (b, l, d_in_proj) tensor, read in place.
-Then the mixer with ``kernels="cutile"`` is compared with ``kernels="torch"``.
+Then the mixer with ``kernels="cutile"`` is compared with ``kernels="torch"``: its output, its
+gradients (the conv and norm's autograd Functions of ``ssd.layer_autograd``) and its decode
+steps (the conv step kernel) against the forward.
 
 Elementwise bounds: twice the worst case derived from the unit roundoff u of the dtype (u32 =
 2^-24 of fp32; both kernels compute in fp32 and round once to the dtype; FN =
@@ -26,6 +28,9 @@ bias, group or reset moves elements by their own size, hundreds of u in bf16.
   the output is within (2 FN + G/2 + 8) u32 relative before the store's u. Allowed:
   2 ((u + (2 FN + G/2 + 8) u32) |ref| + a). (G/2 u32 is a worst case: at the 2.7b layer's group of
   5120 channels it is 1.5e-4 relative, far below what a wrong group, weight or gate does.)
+* conv_step: the conv's bound with the window [conv_state, x] as its inputs (one position); the
+  rolled state holds values of x's dtype moved, so it must equal the reference's exactly, and a
+  padding entry of a paged cache must leave every state row as it was and write out = 0.
 * a: half the smallest subnormal spacing of the dtype, the rounding of a result below the
   normal range, which the relative terms do not cover (2^-25 in fp16, where the norm's outputs
   reach it; below 1e-40 in bf16 and fp32).
@@ -291,3 +296,159 @@ def test_mixer_cutile_kernels_match_torch_kernels(case, dtype, no_tf32, gpu_reco
     replay = f"[seed {seed}; SSD_TEST_SEED={RUN_SEED} replays the run]"
     assert err <= MIXER_TOL[dtype], f"{case} {dtype} {replay}: vs torch kernels {err:.3e}"
     assert err64 <= allowed, f"{case} {dtype} {replay}: vs float64 {err64:.3e} > {allowed:.3e}"
+
+
+# ----------------------------------------------------------------------------- conv_step
+
+# name: (b, channels, width, row of x's parent tensor (None: contiguous), column offset,
+# features). The model sizes read xBC where the 130m and 2.7b layers' in_proj writes one token.
+STEP_CASES = {
+    "130m-b1": (1, 1792, 4, 3352, 1536, ""),
+    "2.7b-b8": (8, 5376, 4, 10576, 5120, ""),
+    "odd-channels": (3, 77, 4, 91, 3, ""),
+    "width-3": (2, 40, 3, None, 0, ""),
+    "width-2": (2, 129, 2, None, 0, ""),
+    "width-1": (2, 33, 1, None, 0, ""),
+    "no-bias-no-silu": (2, 24, 4, None, 0, "nobias,linear"),
+    "paged": (5, 96, 4, 200, 40, "paged"),
+    "paged-int64": (4, 300, 4, None, 0, "paged,int64"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(STEP_CASES))
+def test_conv_step_matches_float64_reference(name, dtype, gpu_record):
+    from ssd.layer_ops import conv_step
+
+    b, c, w, row, offset, features = STEP_CASES[name]
+    seed = seed_for(f"conv_step/{name}/{dtype}")
+    t = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = columns(gen, b, 1, c, row, offset, t)[:, 0]  # (b, c), one token of in_proj's output
+    weight = (0.5 * torch.randn(c, w, generator=gen, device="cuda")).to(t)
+    bias = None if "nobias" in features else (
+        0.5 * torch.randn(c, generator=gen, device="cuda")).to(t)
+    activation = None if "linear" in features else "silu"
+    slots, indices = np.arange(b), None
+    if "paged" in features:  # rows of a larger cache, in any order, one entry padding
+        slots = np.random.default_rng(seed).permutation(2 * b + 1)[:b]
+        slots[1] = -1
+        indices = torch.from_numpy(slots).to(
+            "cuda", torch.int64 if "int64" in features else torch.int32)
+    state = torch.randn(2 * b + 1 if indices is not None else b, c, w - 1, generator=gen,
+                        device="cuda").to(t)
+    before = f64(state)
+    out = torch.full((b, c), float("nan"), device="cuda", dtype=t)
+    got = conv_step(state, x, weight, bias, activation, state_batch_indices=indices, out=out)
+    assert got is out
+    live = slots >= 0
+    w64, b64 = f64(weight), None if bias is None else f64(bias)
+    want, want_state = np.zeros((b, c)), before.copy()
+    want[live], want_state[slots[live]] = ref.conv_step(before[slots[live]], f64(x)[live], w64,
+                                                        b64, activation)
+    scale = np.zeros((b, c))  # S = |bias| + sum_k |w_k window_k|; 0 for a padding entry
+    scale[live] = ref.conv_step(np.abs(before[slots[live]]), np.abs(f64(x)[live]), np.abs(w64),
+                                None if b64 is None else np.abs(b64), None)[0]
+    bound = 2 * (UNIT_ROUNDOFF[dtype] * np.abs(want)
+                 + (FN_UNITS * np.abs(want) + 1.1 * (w + 1) * scale) * U32 + TINY[dtype])
+    check("layer-conv_step", got, want, bound, gpu_record, shape=name, dims=[b, c, w],
+          dtype=dtype, seed=seed)
+    rolled = f64(state)
+    assert np.array_equal(rolled, want_state), (
+        f"{name} {dtype} [SSD_TEST_SEED={RUN_SEED}]: the rolled conv state differs at "
+        f"{np.argwhere(rolled != want_state)[:5].tolist()}")
+
+
+# ----------------------------------------------------------------------------- training
+
+# The gradients of the mixer with kernels="cutile" (the kernels' forwards inside the autograd
+# Functions of ssd.layer_autograd, their PyTorch backwards) against the float64 layer's, beside
+# the same errors of kernels="torch" (autograd through nn.Conv1d and the eager norm), the SSD the
+# torch backend on every side. Each gradient's relative error in norm is allowed twice the torch
+# kernels' own (the dtype's roundings in in_proj, the SSD and out_proj, which both paths make)
+# plus 4u (the kernels round the conv and norm once each where PyTorch rounds differently, and a
+# backward computed from the rounded forward's inputs): a missing SiLU slope, tap, gate or group
+# moves a gradient by its own size.
+GRAD_CASES = {
+    "130m-l300": (PRESETS["130m"], 2, 300),
+    "g4-l257": (Mamba2Config(d_model=256, d_state=64, ngroups=4, chunk_size=64), 2, 257),
+}
+
+
+def mixer_grads(mixer, u, dout) -> dict:
+    mixer.zero_grad()
+    leaf = u.clone().requires_grad_()
+    mixer(leaf).backward(dout)
+    return {"u": leaf.grad.double(), **{n: p.grad.double() for n, p in mixer.named_parameters()}}
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+def test_mixer_cutile_kernels_gradients_match_float64(case, dtype, no_tf32, gpu_record):
+    config, b, l = GRAD_CASES[case]
+    config = replace(config, dtype=dtype)
+    seed = seed_for(f"mixer-grad/{case}/{dtype}")
+    mixer = Mamba2Mixer(config, "torch", kernels="cutile", device="cuda", seed=seed)
+    mixer.requires_grad_()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    u = torch.randn(b, l, config.d_model, generator=gen, device="cuda").to(config.torch_dtype)
+    dout = torch.randn(b, l, config.d_model, generator=gen, device="cuda").to(config.torch_dtype)
+    got = mixer_grads(mixer, u, dout)
+    torch_kernels = mixer_grads(mixer.set_kernels("torch"), u, dout)
+    m64 = Mamba2Mixer(replace(config, dtype="float64"), "torch", device="cuda", seed=seed)
+    m64.load_state_dict({k: v.double() for k, v in mixer.state_dict().items()})
+    want = mixer_grads(m64.requires_grad_(), u.double(), dout.double())
+    replay = f"[seed {seed}; SSD_TEST_SEED={RUN_SEED} replays the run]"
+    for name, g64 in want.items():
+        err, base = rel_err(got[name], g64), rel_err(torch_kernels[name], g64)
+        allowed = 2 * base + 4 * UNIT_ROUNDOFF[dtype]
+        gpu_record.append(dict(record="mixer", test="mixer-kernels-cutile-grad-vs-float64",
+                               shape=case, dims=list(config.ssd_dims(b, l)), dtype=dtype,
+                               seed=seed, grad=name, rel_err=err, tol=allowed,
+                               torch_rel_err=base))
+        print(f"{case} {dtype} d{name}: {err:.2e} (torch kernels {base:.2e}, allowed "
+              f"{allowed:.2e})")
+        assert err <= allowed, f"{case} {dtype} d{name} {replay}: {err:.3e} > {allowed:.3e}"
+
+
+# ----------------------------------------------------------------------------- decode
+
+# A prefill then decode steps with kernels="cutile" (the conv step kernel, the norm kernel on one
+# row a sequence), token for token against the float64 layer's forward over the whole sequence,
+# the SSD the torch backend: allowed twice the same generation's error with kernels="torch"
+# plus u (the kernels' one rounding each), as tests/test_gpu_generation.py holds the cuTile SSD.
+STEP_MIXER_CASES = {"130m": (PRESETS["130m"], 2, 37, 5), "g4": (GRAD_CASES["g4-l257"][0], 3, 2, 6)}
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("case", list(STEP_MIXER_CASES))
+def test_mixer_cutile_kernels_steps_match_the_forward(case, dtype, no_tf32, gpu_record):
+    config, b, prompt, steps = STEP_MIXER_CASES[case]
+    config = replace(config, dtype=dtype)
+    seed = seed_for(f"mixer-step/{case}/{dtype}")
+    mixer = Mamba2Mixer(config, "torch", kernels="cutile", device="cuda", seed=seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    u = torch.randn(b, prompt + steps, config.d_model, generator=gen, device="cuda").to(
+        config.torch_dtype)
+
+    def generate(m):
+        out, cache = m.prefill(u[:, :prompt])
+        outs = [out] + [m.step(u[:, t:t + 1], cache) for t in range(prompt, prompt + steps)]
+        return torch.cat(outs, dim=1), cache
+
+    got, cache = generate(mixer)
+    base_out, base_cache = generate(mixer.set_kernels("torch"))
+    m64 = Mamba2Mixer(replace(config, dtype="float64"), "torch", device="cuda", seed=seed)
+    m64.load_state_dict({k: v.double() for k, v in mixer.state_dict().items()})
+    with torch.no_grad():
+        want = m64(u.double())
+    assert torch.equal(cache.conv_state, base_cache.conv_state)  # in_proj's outputs, both paths
+    tail = slice(prompt, None)
+    err, base = rel_err(got[:, tail], want[:, tail]), rel_err(base_out[:, tail], want[:, tail])
+    allowed = 2 * base + UNIT_ROUNDOFF[dtype]
+    gpu_record.append(dict(record="mixer", test="mixer-kernels-cutile-steps-vs-float64",
+                           shape=case, dims=list(config.ssd_dims(b, prompt + steps)),
+                           dtype=dtype, seed=seed, rel_err=err, tol=allowed, torch_rel_err=base))
+    print(f"{case} {dtype}: steps {err:.2e} (torch kernels {base:.2e}, allowed {allowed:.2e})")
+    assert err <= allowed, (f"{case} {dtype} [seed {seed}; SSD_TEST_SEED={RUN_SEED}]: steps "
+                            f"{err:.3e} > {allowed:.3e}")

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 import ssd.tools.env
+from ssd.tools.env import read_json
 
 CONFTEST = Path(__file__).with_name("conftest.py")
 
@@ -45,15 +46,15 @@ def test_rows_from_every_worker_are_split_into_their_files(plumbing, tmp_path):
     plumbing.pytest_runtest_logreport(report("tests/d.py::one", "passed", [decode]))
     plumbing.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()), 1)
 
-    summary = json.loads((tmp_path / "results" / "h200" / "gpu_tests.json").read_text())
+    summary = read_json(tmp_path / "results" / "h200" / "gpu_tests.json.gz")
     assert summary["outcomes"] == {"passed": 3, "failed": 1}
     assert summary["failed_tests"] == ["tests/m.py::two"]
     assert ssd.tools.env.unpack_rows(summary["rows"]) == [kernel] and summary["checks"] == 1
     assert summary["worst_rel_err_by_dtype"] == {"bfloat16": 2e-3}
-    layer = json.loads((tmp_path / "results" / "h200" / "gpu_mixer_tests.json").read_text())
+    layer = read_json(tmp_path / "results" / "h200" / "gpu_mixer_tests.json.gz")
     assert [r["rel_err"] for r in ssd.tools.env.unpack_rows(layer["rows"])] == [1e-6, 1.0]
     assert layer["environment"]["gpu"] == "NVIDIA H200"
-    step = json.loads((tmp_path / "results" / "h200" / "gpu_decode_tests.json").read_text())
+    step = read_json(tmp_path / "results" / "h200" / "gpu_decode_tests.json.gz")
     assert ssd.tools.env.unpack_rows(step["rows"]) == [decode]
 
 

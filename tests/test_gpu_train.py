@@ -1,8 +1,8 @@
 """GPU tests of training (``pytest -m gpu``; skipped without a GPU).
 
-The language model of ``ssd.layer.Mamba2LM`` trained through each GPU backend: its gradients
-against those of the torch backend (autograd through the PyTorch SSD) on the same weights and
-tokens, and a short MQAR run of the tiny preset in the recorded run's precision (bf16 autocast)
+The language model of ``ssd.layer.Mamba2LM`` trained through each GPU backend, with the PyTorch
+or the cuTile conv and norm (``kernels``): its gradients against those of the torch backend and
+kernels (autograd through the PyTorch SSD, conv and norm) on the same weights and tokens, and a short MQAR run of the tiny preset in the recorded run's precision (bf16 autocast)
 whose held-out loss curve must follow the torch backend's.
 """
 import math
@@ -12,7 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd.layer import BackendUnavailable, Mamba2Config, Mamba2LM, backend_function  # noqa: E402
+from ssd.layer import (BackendUnavailable, Mamba2Config, Mamba2LM,  # noqa: E402
+                       backend_function, kernel_ops)
 from ssd.tools import train as T  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -29,17 +30,19 @@ LM_CONFIG = Mamba2Config(d_model=64, d_state=32, headdim=32, ngroups=2, chunk_si
                          dtype="float32")
 
 
-def _usable(backend):
+def _usable(backend, kernels="torch"):
     try:
         backend_function(backend)
+        kernel_ops(kernels)
     except BackendUnavailable as exc:
         pytest.skip(str(exc))
 
 
+@pytest.mark.parametrize("kernels", ("torch", "cutile"))
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seqlen", [64, 100])  # whole chunks, and a tail
-def test_lm_gradients_match_the_torch_backend(backend, seqlen):
-    _usable(backend)
+def test_lm_gradients_match_the_torch_backend(backend, kernels, seqlen):
+    _usable(backend, kernels)
     gen = torch.Generator(device="cuda").manual_seed(seqlen)
     tokens = torch.randint(0, 97, (2, seqlen), device="cuda", generator=gen)
     positions = torch.randint(0, seqlen, (2, 5), device="cuda", generator=gen)
@@ -47,17 +50,18 @@ def test_lm_gradients_match_the_torch_backend(backend, seqlen):
     matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        for b in ("torch", backend):
-            model = Mamba2LM(97, LM_CONFIG, 2, b, device="cuda", seed=0)
+        for side, b, k in (("ref", "torch", "torch"), ("got", backend, kernels)):
+            model = Mamba2LM(97, LM_CONFIG, 2, b, kernels=k, device="cuda", seed=0)
             model(tokens, positions).logsumexp(-1).sum().backward()
-            grads[b] = {n: p.grad.double() for n, p in model.named_parameters()}
+            grads[side] = {n: p.grad.double() for n, p in model.named_parameters()}
     finally:
         torch.backends.cuda.matmul.allow_tf32 = matmul_tf32
-    for name, ref in grads["torch"].items():
-        got = grads[backend][name]
+    for name, ref in grads["ref"].items():
+        got = grads["got"][name]
         assert torch.isfinite(got).all(), name
         err = float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref))
-        assert err <= GRAD_REL_TOL, f"{backend} {name}: rel err {err:.2e} > {GRAD_REL_TOL:.0e}"
+        assert err <= GRAD_REL_TOL, (f"{backend} kernels={kernels} {name}: rel err {err:.2e} > "
+                                     f"{GRAD_REL_TOL:.0e}")
 
 
 def test_tiny_mqar_curves_follow_the_torch_backend():

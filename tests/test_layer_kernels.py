@@ -1,6 +1,10 @@
 """The layer's conv and norm on the CPU: the float64 references of ssd.layer_reference equal the
 layer's PyTorch path (and independent constructions for seq_idx and the initial conv state), the
 mixer hands ssd.layer_ops tensors that meet its contract, and every bad argument is a clear error.
+Their backward (ssd.layer_autograd): equal in float64 to torch.autograd of the layer's PyTorch
+path, gradcheck on tiny shapes, and the real ssd.layer_ops routing a call that requires grad
+through it (its kernel launch replaced by the PyTorch forward), so that the mixer with
+kernels="cutile" has the gradients of kernels="torch".
 
 The GPU kernels themselves are checked in tests/test_gpu_layer_kernels.py; their AOT compile in
 tests/test_aot.py. Error metric: the largest absolute difference, in float64, where every
@@ -243,8 +247,9 @@ CONV_ERRORS = {
                        r"initial_states: expected \(batch=2, channels=6, width-1=3\)"),
     "device": (dict(bias=torch.randn(6, device="meta")), ValueError,
                "bias: on meta, but the first input is on cpu"),
-    "grad": (dict(weight=torch.randn(6, 4, requires_grad=True)), NotImplementedError,
-             "weight: requires grad"),
+    "out with grad": (dict(weight=torch.randn(6, 4, requires_grad=True),
+                           out=torch.empty(2, 10, 6)), ValueError,
+                      "out: not accepted where a gradient is required"),
     "activation": (dict(activation="relu"), ValueError, "activation: expected one of"),
     "out": (dict(out=torch.empty(2, 10, 7)), ValueError, r"out: expected a contiguous \(2, 10, 6\)"),
     "out dtype": (dict(out=torch.empty(2, 10, 6, dtype=torch.float16)), TypeError, "out: dtype"),
@@ -289,6 +294,9 @@ NORM_ERRORS = {
     "y not flat": (dict(y=torch.randn(5, 2, 12).transpose(0, 1)), ValueError,
                    "y: its leading axes do not flatten without a copy"),
     "out": (dict(out=torch.empty(2, 5, 13)), ValueError, r"out: expected a contiguous tensor"),
+    "out with grad": (dict(z=torch.randn(2, 5, 12, requires_grad=True),
+                           out=torch.empty(2, 5, 12)), ValueError,
+                      r"out: not accepted where a gradient is required \(z requires grad\)"),
     "cpu": ({}, ValueError, "y: must be a CUDA tensor"),
 }
 
@@ -314,3 +322,175 @@ def test_reference_argument_errors():
         ref.causal_conv1d(x, w, activation="gelu")
     with pytest.raises(ValueError, match="group_size: expected a positive divisor of the 3"):
         ref.gated_rmsnorm(x, x, np.ones(3), group_size=2)
+
+
+# ----------------------------------------------------------------------------- the backward
+
+from ssd import layer_autograd as LA  # noqa: E402
+
+
+def conv_by_autograd(x, weight, bias, seq_idx, initial_states, activation):
+    """The conv by PyTorch ops autograd differentiates, independent of ssd.layer_autograd: the
+    layer's packed conv (seq_idx, SiLU) or F.conv1d over [initial_states, x] (channels first)."""
+    if seq_idx is not None:
+        assert initial_states is None and activation == "silu"
+        return ssd.layer._packed_conv1d(x, weight, bias, seq_idx)
+    b, l, c = x.shape
+    w = weight.shape[1]
+    history = (x.new_zeros(b, c, w - 1) if initial_states is None else initial_states)
+    xe = torch.cat([history, x.transpose(1, 2)], dim=2)  # (b, c, w-1+l)
+    s = torch.nn.functional.conv1d(xe, weight[:, None], bias, groups=c).transpose(1, 2)
+    return torch.nn.functional.silu(s) if activation else s
+
+
+def f64_leaf(*shape, gen):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+
+# (b, l, c, w, features): every width, a sequence shorter than the width, no bias, no SiLU,
+# packed sequences, an initial state.
+CONV_GRAD_CASES = [(2, 13, 6, 4, ""), (1, 2, 5, 4, "init"), (2, 9, 3, 3, "nobias,linear"),
+                   (3, 7, 4, 2, "init,linear"), (2, 5, 3, 1, ""), (2, 17, 5, 4, "seq")]
+
+
+@pytest.mark.parametrize("b, l, c, w, features", CONV_GRAD_CASES)
+def test_conv_backward_is_autograd_of_the_pytorch_conv(b, l, c, w, features):
+    gen = torch.Generator().manual_seed(b * 1000 + l * 10 + w)
+    x, weight = f64_leaf(b, l, c, gen=gen), f64_leaf(c, w, gen=gen)
+    bias = None if "nobias" in features else f64_leaf(c, gen=gen)
+    init = f64_leaf(b, c, w - 1, gen=gen) if "init" in features else None
+    seq_idx = (torch.tensor([[0] * 5 + [1] * 1 + [2] * 11, [3] * 9 + [4] * 8])
+               if "seq" in features else None)
+    activation = None if "linear" in features else "silu"
+    leaves = [t for t in (x, weight, bias, init) if t is not None]
+    dout = torch.randn(b, l, c, generator=gen, dtype=torch.float64)
+    want = conv_by_autograd(x, weight, bias, seq_idx, init, activation)
+    got = LA.causal_conv1d(x, weight, bias, seq_idx, init, activation)
+    assert got.grad_fn is not None and type(got.grad_fn).__name__ == "CausalConv1dBackward"
+    close(got.detach(), want.detach(), "conv forward")
+    for name, g, r in zip("x weight bias initial_states".split(),
+                          torch.autograd.grad(got, leaves, dout),
+                          torch.autograd.grad(want, leaves, dout)):
+        close(g, r, f"d{name} {features or 'plain'}")
+
+
+def test_conv_gradcheck_with_seq_idx_and_initial_states():
+    """Finite differences where no PyTorch construction covers both: packed sequences, the
+    initial state feeding sequence 0 only (row 1 starts at sequence 1)."""
+    gen = torch.Generator().manual_seed(5)
+    b, l, c, w = 2, 6, 3, 4
+    seq_idx = torch.tensor([[0, 0, 1, 1, 1, 2], [1, 1, 1, 2, 2, 2]])
+    args = (f64_leaf(b, l, c, gen=gen), f64_leaf(c, w, gen=gen), f64_leaf(c, gen=gen))
+    init = f64_leaf(b, c, w - 1, gen=gen)
+    assert torch.autograd.gradcheck(
+        lambda x, weight, bias, init: LA.causal_conv1d(x, weight, bias, seq_idx, init),
+        (*args, init))
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_norm_backward_is_autograd_of_the_pytorch_norm(groups):
+    gen = torch.Generator().manual_seed(groups)
+    d = 12
+    y, z = f64_leaf(2, 5, d, gen=gen), f64_leaf(2, 5, d, gen=gen)
+    norm = GatedRMSNorm(d, d // groups, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.copy_(1.0 + 0.1 * torch.randn(d, generator=gen, dtype=torch.float64))
+    norm.weight.requires_grad_()
+    dout = torch.randn(2, 5, d, generator=gen, dtype=torch.float64)
+    want = norm(y, z)
+    got = LA.gated_rmsnorm(y, z, norm.weight, d // groups, norm.eps)
+    assert type(got.grad_fn).__name__ == "GatedRMSNormBackward"
+    close(got.detach(), want.detach(), "norm forward")
+    leaves = (y, z, norm.weight)
+    for name, g, r in zip(("y", "z", "weight"), torch.autograd.grad(got, leaves, dout),
+                          torch.autograd.grad(want, leaves, dout)):
+        close(g, r, f"d{name} groups {groups}")
+    assert torch.autograd.gradcheck(
+        lambda y, z, w: LA.gated_rmsnorm(y, z, w, 4, 1e-5),
+        (f64_leaf(3, 8, gen=gen), f64_leaf(3, 8, gen=gen), f64_leaf(8, gen=gen)))
+
+
+def kernels_on_the_cpu(monkeypatch):
+    """ssd.layer_ops with its kernel launches replaced by the PyTorch forwards and its device
+    check passed: what it routes and what it saves can be tested on the CPU. The stand-ins
+    refuse a tensor that requires grad, as a launch (DLPack) does."""
+    pytest.importorskip("cuda.tile")
+    from ssd import layer_ops
+
+    launched = []
+
+    def bare(*tensors):
+        assert not any(t is not None and t.requires_grad for t in tensors), "not detached"
+
+    def conv(x, weight, bias=None, seq_idx=None, initial_states=None, silu=True, config=None,
+             out=None):
+        bare(x, weight, bias, initial_states)
+        launched.append("causal_conv1d")
+        got = LA.causal_conv1d_torch(x, weight, bias, seq_idx, initial_states,
+                                     "silu" if silu else None)
+        return got if out is None else out.copy_(got)
+
+    def norm(y, z, weight, group_size, eps, config=None, out=None):
+        bare(y, z, weight)
+        launched.append("gated_rmsnorm")
+        got = LA.gated_rmsnorm_torch(y, z, weight, group_size, eps)
+        return got if out is None else out.copy_(got)
+
+    monkeypatch.setattr(layer_ops._conv, "causal_conv1d", conv)
+    monkeypatch.setattr(layer_ops._norm, "gated_rmsnorm", norm)
+    monkeypatch.setattr(layer_ops, "_check_cuda", lambda name, t: None)
+    return layer_ops, launched
+
+
+def test_layer_ops_route_a_gradient_through_the_functions(monkeypatch):
+    """Without a gradient the kernel runs alone (no graph); with one, inside the Function,
+    whose gradient is the PyTorch conv's; conv_step refuses one rather than detach."""
+    ops, launched = kernels_on_the_cpu(monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    x, weight, bias = (torch.randn(*s, generator=gen) for s in ((2, 7, 6), (6, 4), (6,)))
+    plain = ops.causal_conv1d(x, weight, bias)
+    assert plain.grad_fn is None and launched == ["causal_conv1d"]
+    weight.requires_grad_()
+    with torch.no_grad():
+        assert ops.causal_conv1d(x, weight, bias).grad_fn is None
+    out = ops.causal_conv1d(x, weight, bias)
+    assert type(out.grad_fn).__name__ == "CausalConv1dBackward"
+    (dw,) = torch.autograd.grad(out.square().sum(), weight)
+    (want,) = torch.autograd.grad(conv_by_autograd(x, weight, bias, None, None, "silu")
+                                  .square().sum(), weight)
+    assert torch.allclose(dw, want, rtol=1e-5, atol=1e-6)
+    y, z = torch.randn(3, 8, generator=gen), torch.randn(3, 8, generator=gen).requires_grad_()
+    normed = ops.gated_rmsnorm(y, z, torch.ones(8), 4)
+    assert type(normed.grad_fn).__name__ == "GatedRMSNormBackward"
+    assert launched[-1] == "gated_rmsnorm"
+    with pytest.raises(NotImplementedError, match="x: requires grad, but conv_step has no "
+                                                  "backward"):
+        ops.conv_step(torch.zeros(2, 6, 3), torch.randn(2, 6, requires_grad=True), weight.detach())
+
+
+@pytest.mark.parametrize("ngroups", [1, 2])
+def test_mixer_with_cutile_kernels_has_the_torch_kernels_gradients(monkeypatch, ngroups):
+    """Mamba2Mixer(kernels="cutile") through the real ssd.layer_ops (launches replaced by the
+    PyTorch forwards), fp32 (the kernels take no float64): every weight's and the input's
+    gradient equals the PyTorch conv and norm's to fp32 round-off (relative 1e-5: the two sum
+    the taps and the group in different orders, a few fp32 ulps carried through the SSD)."""
+    ops, launched = kernels_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(ssd.layer, "kernel_ops", lambda name: ops if name == "cutile" else None)
+    config = Mamba2Config(d_model=32, d_state=8, headdim=8, ngroups=ngroups, chunk_size=16,
+                          dtype="float32")
+    mixer = Mamba2Mixer(config, "torch", seed=4).requires_grad_()
+    gen = torch.Generator().manual_seed(11)
+    u = torch.randn(2, 21, 32, generator=gen)
+    dout = torch.randn(2, 21, 32, generator=gen)
+    grads = {}
+    for kernels in ("torch", "cutile"):
+        mixer.set_kernels(kernels).zero_grad()
+        leaf = u.clone().requires_grad_()
+        mixer(leaf).backward(dout)
+        grads[kernels] = {"u": leaf.grad, **{n: p.grad.clone()
+                                             for n, p in mixer.named_parameters()}}
+    assert launched == ["causal_conv1d", "gated_rmsnorm"]
+    for name, want in grads["torch"].items():
+        got = grads["cutile"][name]
+        err = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+        assert err <= 1e-5, f"d{name}: rel err {err:.2e}"

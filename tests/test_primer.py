@@ -67,6 +67,22 @@ def test_a_launch_names_every_argument_and_only_those():
             launch.kernel_args(kernel, bad)
 
 
+def test_a_launch_reads_a_tensor_that_requires_grad_only_with_grad_mode_off():
+    """A kernel has no backward: with grad mode on, a launch given a tensor that requires grad
+    raises rather than drop the gradient; under no_grad it reads a detached view."""
+    x = torch.empty(8, 8)
+    with launch.capture() as rec:
+        primer.scale_add(x, x, 2.0, out=torch.empty_like(x), tile=(8, 16))
+    kernel = rec[0].kernel
+    w = torch.zeros(8, 8, requires_grad=True)
+    named = dict(x=w, y=x, out=x, alpha=1.0, TILE_M=8, TILE_N=16)
+    with pytest.raises(ValueError, match="x requires grad"):
+        launch.kernel_args(kernel, named)
+    with torch.no_grad():
+        args = launch.kernel_args(kernel, named)
+    assert not args[0].requires_grad and args[0].data_ptr() == w.data_ptr()
+
+
 def test_int64_indexing_only_past_2_31_elements():
     """A view of 2**31 + 2**16 elements (stride 0: no memory) switches the index type, and so
     does a view whose elements lie 2**31 apart."""

@@ -443,17 +443,17 @@ def test_a_fault_run_writes_its_own_summary(tmp_path, monkeypatch):
     finish = SimpleNamespace(config=SimpleNamespace())
     plumbing.pytest_sessionfinish(finish, 0)                        # a plain run
     folder = tmp_path / "results" / "h200"
-    summary = json.loads((folder / "gpu_tests.json").read_text())
+    summary = ssd.tools.env.read_json(folder / "gpu_tests.json.gz")
     assert summary["worst_elem_ratio_by_dtype"] == {"bfloat16": 0.3}
     assert summary["faults_caught"]["tile-zero"] == dict(injected=2, visible=2, caught_elem=2,
                                                          caught_norm=1)
     assert summary["faults_caught"]["carry-dropped"] == dict(injected=1, visible=0,
                                                              caught_elem=0, caught_norm=0)
-    (folder / "gpu_tests.json").unlink()
+    (folder / "gpu_tests.json.gz").unlink()
     monkeypatch.setenv("SSD_INJECT_FAULT", "all")                   # a fault run
     plumbing.pytest_sessionfinish(finish, 0)
-    assert not (folder / "gpu_tests.json").exists()
-    faults = json.loads((folder / "gpu_faults.json").read_text())
+    assert not (folder / "gpu_tests.json.gz").exists()
+    faults = ssd.tools.env.read_json(folder / "gpu_faults.json.gz")
     assert faults["faults"] == list(V.FAULTS) and "rows" not in faults
     assert faults["faults_caught_by_family"]["random"]["tile-zero"]["caught_norm"] == 1
     assert faults["faults_caught_by_family"]["edge"]["tile-zero"]["caught_norm"] == 0

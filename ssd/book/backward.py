@@ -11,6 +11,10 @@
   :func:`plot_gradient_blocks` (the gradient's matrix is the forward's, transposed).
 * Save or recompute: :func:`intermediates_table` (one shape, every intermediate) and
   :func:`save_or_recompute` (the entering states across shapes and chunk sizes).
+* The kernels: :func:`kernel_table` (each cuTile launch of the backward: its grid, what it
+  writes and reads, from a captured launch and the kernel's own signature) and
+  :func:`contract_table` (the PyTorch stages the kernels are tested against, against the NumPy
+  ladder).
 
 The loss behind every check is the linear one, <dy, y> + <dfinal_states, final_states>: its
 gradient with respect to the outputs is (dy, dfinal_states) exactly, so its finite differences
@@ -19,6 +23,7 @@ test the backward and nothing else.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -33,7 +38,7 @@ __all__ = [
     "relative_error", "linear_loss", "gradient_table", "impulse_gradient",
     "plot_impulse_gradient", "finite_difference_table", "dt_path_table", "kink_gap",
     "directional_error", "stage_check_table", "plot_gradient_blocks", "intermediates_table",
-    "save_or_recompute",
+    "save_or_recompute", "kernel_table", "contract_table",
 ]
 
 
@@ -467,3 +472,110 @@ def save_or_recompute(shapes, chunk_sizes, bandwidth, rate, dtype_bytes=2) -> Ta
                  labels=dict(prev_mb="prev_states MB", over_x="over x",
                              rebuild_us="rebuild floor µs", forward_us="forward floor µs",
                              share="rebuild / forward"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels
+
+
+def _grid_formula(doc: str) -> tuple[str, str]:
+    """(the grid tuple, what one block does) from a kernel docstring opening "Grid: (...), ...":
+    the tuple up to its balanced closing parenthesis, then the text up to the first ";" or "."."""
+    text = " ".join(doc.split())
+    start = text.index("Grid:") + len("Grid:")
+    start = text.index("(", start)
+    depth = 0
+    for end in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            break
+    rest = text[end + 1:].lstrip(",;: ")
+    return text[start:end + 1], re.split(r"[;.]", rest, maxsplit=1)[0].strip()
+
+
+def _array_roles(kernel) -> dict:
+    """{array parameter: its signature comment} of a cuTile kernel, in parameter order."""
+    import inspect
+
+    source = inspect.getsource(kernel._pyfunc)
+    return dict(re.findall(r"^\s*(\w+): Array,\s*#\s*(.*)$", source, flags=re.MULTILINE))
+
+
+def _grid_value(formula: str, args: dict, dims: dict) -> tuple:
+    """A docstring's grid formula evaluated at a captured launch: the problem's sizes ``dims``
+    (b, l, h, p, g, n, c, q), the launch's integer arguments (its tiles: BLOCK_Q, BLOCK_N, ...)
+    and ``slices`` (the state slices of a (BLOCK_P x BLOCK_N) walk), with ``cdiv``."""
+    names = {k: v for k, v in args.items() if isinstance(v, int) and not isinstance(v, bool)}
+    names.update(dims, cdiv=lambda a, b: -(-a // b))
+    if "BLOCK_P" in names and "BLOCK_N" in names:
+        names["slices"] = names["cdiv"](dims["p"], names["BLOCK_P"]) * \
+            names["cdiv"](dims["n"], names["BLOCK_N"])
+    return tuple(int(v) for v in eval(formula, {"__builtins__": {}}, names))  # noqa: S307
+
+
+def kernel_table(dtype: str = "bfloat16") -> Table:
+    """Every cuTile launch of one backward, in launch order, recorded on the CPU.
+
+    The launches are those ``ssd.tools.aot.capture_backward(dtype, "all")`` records (every
+    option on: seq_idx, the gate's rebuilt output, dt_bias, initial and final states), the ones
+    CI compiles ahead of time. Per launch: the kernel, its grid as its docstring writes it
+    (checked against the launch's grid: a docstring that disagrees raises ValueError) and what
+    one block does, the blocks launched at the captured shape, the arrays it writes (a
+    signature comment saying "out"; "(+=)" where it says "in" too) and the arrays it only
+    reads. Nothing here is typed in: a changed kernel changes the table.
+
+    Returns:
+        the Table (a row also holds ``stage``, the kernel's module), with ``dims``: the
+        captured problem's sizes (b, l, h, p, g, n, c, q), read off the first launch's x, B and
+        dt_out.
+    """
+    import inspect
+
+    from ..tools.aot import capture_backward
+
+    records = capture_backward(dtype, "all")
+    named = [dict(zip(inspect.signature(r.kernel._pyfunc).parameters, r.args)) for r in records]
+    (b, l, h, p), (g, n) = named[0]["x"].shape, named[0]["B"].shape[2:]
+    c, q = named[0]["dt_out"].shape[2:]
+    dims = dict(b=b, l=l, h=h, p=p, g=g, n=n, c=c, q=q)
+    rows = []
+    for record, args in zip(records, named):
+        fn = record.kernel._pyfunc
+        stage = fn.__module__.rsplit(".", 1)[-1].removesuffix("_backward")
+        grid, block = _grid_formula(fn.__doc__)
+        if _grid_value(grid, args, dims) != tuple(record.grid):
+            raise ValueError(f"{fn.__name__}: its docstring's grid {grid} gives "
+                             f"{_grid_value(grid, args, dims)}, the launch {record.grid}")
+        writes, reads = [], []
+        for name, comment in _array_roles(record.kernel).items():
+            if re.search(r"\bout\b", comment):
+                writes.append(f"`{name}`" + (" (+=)" if re.search(r"\bin\b", comment) else ""))
+            else:
+                reads.append(f"`{name}`")
+        rows.append(dict(stage=f"`{stage}`", kernel=f"`{fn.__name__}`", grid=f"`{grid}`",
+                         block=block, blocks=math.prod(record.grid), writes=", ".join(writes),
+                         reads=", ".join(reads)))
+    table = Table(rows, ["kernel", "grid", "block", "blocks", "writes", "reads"],
+                  labels=dict(block="one block", blocks="blocks here"))
+    table.dims = dims
+    return table
+
+
+def contract_table(spec, seed=0) -> Table:
+    """The backward's PyTorch stages (``ssd.backward.ssd_chunked_backward_torch``, the
+    specification each cuTile kernel is tested against) in float64 on the CPU, against the NumPy
+    ladder (``ssd.reference_backward.ssd_chunked_backward``), on ``spec``'s seeded inputs and
+    upstream gradients: one row per gradient, its shape and relative error."""
+    import torch
+
+    from ..backward import ssd_chunked_backward_torch
+
+    inputs, grads = spec.make_inputs(seed), spec.make_output_grads(seed)
+    want = RB.ssd_chunked_backward(grads["dy"], **inputs, **spec.options,
+                                   dfinal_states=grads["dfinal_states"])
+    tensors = {k: torch.from_numpy(v) for k, v in {**inputs, **grads}.items()}
+    dy, dfinal = tensors.pop("dy"), tensors.pop("dfinal_states")
+    got = ssd_chunked_backward_torch(dy, **tensors, **spec.options, dfinal_states=dfinal)
+    rows = [dict(gradient=f"`{k}`", shape=_shape(v), rel_err=relative_error(got[k].numpy(), v))
+            for k, v in want.items()]
+    return Table(rows, formats=dict(rel_err=".1e"), labels=dict(rel_err="relative error"))

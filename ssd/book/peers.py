@@ -510,7 +510,8 @@ def tuning_table(payload, replayed=None) -> Table:
     """Per models shape: each implementation's first call at its fastest chunk size in the
     benchmark process (compilation, and for mamba_ssm its autotuning on this shape, plus one
     run), ours' tuned build ready, and the seconds of TileGym's own search where the replay
-    recording names the search it replays."""
+    recording names the search it replays. A record whose kernels were compiled ahead of the
+    run (``precompiled``: its first call a cache hit) shows none."""
     rec = payload["records"]
     b = {i: best(rec, i) for i in PEERS}
     source = (replayed or {}).get("tilegym_replayed_from", {})
@@ -519,8 +520,9 @@ def tuning_table(payload, replayed=None) -> Table:
         row = dict(shape=key[0])
         for impl in PEERS:
             r = b[impl].get(key)
-            row[f"{impl}_s"] = r and r["first_call_s"]
-        row["ssd_tuned_s"] = b["ssd"][key].get("tuned_s")
+            row[f"{impl}_s"] = None if not r or r.get("precompiled") else r["first_call_s"]
+        ours = b["ssd"][key]
+        row["ssd_tuned_s"] = None if ours.get("precompiled") else ours.get("tuned_s")
         row["tilegym_search_s"] = source.get(key[0], {}).get("tuning_s")
         rows.append(row)
     return Table(rows, ["shape", "ssd_s", "ssd_tuned_s", "mamba_ssm_s", "tilegym_s",

@@ -9,10 +9,10 @@ dictionary, so the book always shows numbers from a real GPU run, never typed-in
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
-from ..tools.env import BOOK_GPU, RESULTS, ROOT, environment, gpu_slug, is_packed, unpack_rows, write_json
+from ..tools.env import (BOOK_GPU, RESULTS, ROOT, environment, gpu_slug, is_packed, read_json,
+                         unpack_rows, write_json)
 
 DEFAULT_GPU = BOOK_GPU  # where the book's recorded results come from
 
@@ -32,7 +32,10 @@ def gpu_available() -> bool:
 
 
 def result_path(name: str, gpu: str | None = None) -> Path:
-    return RESULTS / (gpu or DEFAULT_GPU) / f"{name}.json"
+    """``results/<gpu>/<name>.json``, or its gzipped form ``.json.gz`` where that exists."""
+    path = RESULTS / (gpu or DEFAULT_GPU) / f"{name}.json"
+    packed = path.with_name(path.name + ".gz")
+    return packed if packed.is_file() else path
 
 
 def load_recorded(name: str, gpu: str | None = None) -> dict:
@@ -48,7 +51,7 @@ def load_recorded(name: str, gpu: str | None = None) -> dict:
         shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
         raise FileNotFoundError(f"{shown}: no recorded result; run this chapter "
                                 "on a GPU once (see the Reproducibility chapter)")
-    record = json.loads(path.read_text())
+    record = read_json(path)
     # tables of rows written by ssd.tools.env.pack_rows come back as rows of dicts
     return {k: unpack_rows(v) if is_packed(v) else v for k, v in record.items()}
 

@@ -17,7 +17,7 @@ import re
 import shlex
 from pathlib import Path
 
-from ..tools.env import ROOT, gpu_slug
+from ..tools.env import ROOT, gpu_slug, recording_name
 from .recordings import DEFAULT_GPU, RESULTS, gpu_available, load_recorded
 from .tables import Table
 
@@ -32,10 +32,12 @@ HOLDS = {
     "serving": "the models suite's record for short prompts",
     "serving_scenario": "a packed prefill of many prompts, then decoding, per SSD backend: "
                         "time to first token, tokens/s, the SSD's share",
-    "robust": "shapes drawn from published Mamba-2 layers, packed or not: ours against "
-              "mamba_ssm, graph and eager, against the suite's goals",
-    "backward": "forward + backward, ours and mamba_ssm's, at three chunk sizes, graph and "
-                "eager; extra peak memory",
+    "robust": "shapes drawn from published Mamba-2 layers, packed or not: ours at chunk 64 "
+              "against mamba_ssm's best chunk size, graph and eager, against the suite's goals",
+    "backward": "forward + backward, ours and mamba_ssm's at three chunk sizes, TileGym "
+                "untuned at 64, graph and eager; extra peak memory",
+    "backward_tilegym_tuned": "forward + backward, ours and TileGym's with its autotuner "
+                              "searching; its configurations",
     "training": "the recall task trained with each SSD backend: loss and accuracy curves, "
                 "step times",
     "training_step": "a training step of the stack per models shape and backend; the SSD's "
@@ -85,8 +87,8 @@ def load_recordings(gpu: str | None = None) -> dict:
     """{path under results/: payload} for every recording the book reads."""
     gpu = gpu or book_folder()
     out = {}
-    for path in sorted((RESULTS / gpu).glob("*.json")):
-        out[f"{gpu}/{path.name}"] = load_recorded(path.stem, gpu)
+    for path in sorted([*(RESULTS / gpu).glob("*.json"), *(RESULTS / gpu).glob("*.json.gz")]):
+        out[f"{gpu}/{path.name}"] = load_recorded(recording_name(path), gpu)
     for pattern in ("compile/*.json", "*.json"):
         for path in sorted(RESULTS.glob(pattern)):
             out[str(path.relative_to(RESULTS))] = json.loads(path.read_text())
@@ -94,7 +96,7 @@ def load_recordings(gpu: str | None = None) -> dict:
 
 
 def _stem(name: str) -> str:
-    return Path(name).stem
+    return recording_name(Path(name))
 
 
 def _entries(payload) -> int:
@@ -136,7 +138,7 @@ def environment_table(recs) -> Table:
             continue
         gpu = (env.get("gpu") or "").replace("NVIDIA ", "")
         differ = [f"{k} {env.get(k) or '-'}" for k in VERSIONS if env.get(k) != common[k]]
-        rows.append(dict(file=name.removesuffix(".json"),
+        rows.append(dict(file=name.removesuffix(".gz").removesuffix(".json"),
                          date=(env.get("date") or "")[:16].replace("T", " ") or None,
                          revision=env.get("git_revision"),
                          gpu=f"{gpu} ({env.get('compute_capability')})" if gpu else None,
@@ -219,8 +221,8 @@ def writes(command: str, notebooks=None) -> list:
     """The recordings (paths under results/, ``<gpu>`` for the GPU's folder) a command of
     the Makefile writes."""
     if re.search(r"pytest\b.*\s-m\s+gpu\b", command):
-        return ["<gpu>/gpu_tests.json", "<gpu>/gpu_mixer_tests.json",
-                "<gpu>/gpu_decode_tests.json"]
+        return ["<gpu>/gpu_tests.json.gz", "<gpu>/gpu_mixer_tests.json.gz",
+                "<gpu>/gpu_decode_tests.json.gz", "<gpu>/gpu_backward_tests.json.gz"]
     if m := re.search(r"--out\s+(.*?\.json)", command):
         return [_results_path(m[1])]
     if "--tilegym-table" in command:

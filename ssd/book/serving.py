@@ -280,7 +280,9 @@ def _packing(robust) -> dict:
 
 def robust_table(robust) -> Table:
     """One row per shape: its model, dims, packed sequences a row, ours and mamba_ssm's best
-    graph-replay time (ms, chunk size) and ours' speedup in graph replay and eagerly."""
+    graph-replay time (ms, chunk size; ours at the chunk sizes the suite's policy runs it at,
+    ``settings.our_chunk_sizes``: one, against mamba_ssm's three) and ours' speedup in graph
+    replay and eagerly."""
     rec = robust["records"]
     ours, theirs = bench.best_records(rec, "ssd"), bench.best_records(rec, "mamba_ssm")
     graph, eager = bench.speedups(rec), bench.speedups(rec, mode="eager")

@@ -5,9 +5,11 @@ Every function takes loaded recordings (``ssd.book.recordings.load_recorded``) a
 :class:`ssd.book.tables.Table` or a matplotlib ``Figure``; nothing here runs a kernel:
 
 * ``backward``: ``python -m ssd.tools.backward_bench``, the SSD's forward and forward + backward,
-  ours and mamba_ssm's (and any peer recorded beside them), on the ``models`` shapes at three
-  chunk sizes, CUDA-graph replay and eager, with the extra peak memory: :func:`fb_table`,
-  :func:`fb_goals`, :func:`plot_fb`;
+  ours and mamba_ssm's (and TileGym's untuned, any peer recorded beside them), on the ``models``
+  shapes at three chunk sizes, CUDA-graph replay and eager, with the extra peak memory:
+  :func:`fb_table`, :func:`fb_goals`, :func:`plot_fb`;
+* ``backward_tilegym_tuned``: ``make gpu-tilegym-backward``, ours beside TileGym's forward +
+  backward tuned by its own search, in one process: :func:`fb_goals`;
 * ``training_step``: ``python -m ssd.tools.train step``, a training step (forward, backward,
   AdamW) of a stack per ``models`` shape and backend, with the SSD's share: :func:`step_table`,
   :func:`plot_step`;
@@ -36,7 +38,7 @@ __all__ = ["FB_GOALS", "LABEL", "fb_table", "fb_goals", "plot_fb", "step_table",
 
 #: The forward + backward goals, against mamba_ssm's best chunk size in CUDA-graph replay: the
 #: geometric mean over the models shapes and the lowest shape's speedup; faster than each other
-#: peer recorded (TileGym) on every shape; extra peak memory at most mamba_ssm's; the first
+#: peer recorded (TileGym untuned and tuned) on every shape; extra peak memory at most mamba_ssm's; the first
 #: forward + backward call within ``first_call_s``; and, a stretch, our backward at most
 #: ``backward_over_forward`` times our forward.
 FB_GOALS = dict(geomean=2.0, every_shape=1.5, peers=1.0, memory=1.0, first_call_s=15.0,
@@ -46,6 +48,8 @@ LABEL = {"ssd": "ours", "cutile": "ours (cuTile)", "mamba_ssm": "mamba_ssm",
          "tilegym": "TileGym", "tilegym_tuned": "TileGym tuned", "torch": "PyTorch"}
 COLOR = {"ssd": "C0", "cutile": "C0", "mamba_ssm": "C1", "tilegym": "C2", "tilegym_tuned": "C3"}
 FB = "forward+backward"
+#: The peers whose goal rows are shown, recorded or not.
+CUTILE_PEERS = ("tilegym", "tilegym_tuned")
 
 
 def times(v) -> str:
@@ -119,10 +123,22 @@ def _goal_row(goal, target, value, where, at_least=True, fmt=times):
                 margin=margin)
 
 
-def fb_goals(backward, goals=FB_GOALS) -> Table:
+def _peer_speedups(recordings, peer, mode="graph") -> dict:
+    """{shape: ``peer``'s best forward + backward time over ours'} from the first of
+    ``recordings`` that holds ``peer``'s records (ours from the same recording: the same
+    process), empty where none does."""
+    for recording in recordings:
+        if recording is not None and any(r["impl"] == peer for r in recording["records"]):
+            return BB.speedups(recording["records"], over=peer, mode=mode)
+    return {}
+
+
+def fb_goals(backward, goals=FB_GOALS, tuned=None) -> Table:
     """The forward + backward goals (:data:`FB_GOALS`) against the recording: per goal the
     target, the worst value measured (or the geometric mean), where, whether it was met and
-    the margin; a goal whose peer was not recorded says so."""
+    the margin; a goal whose peer was not recorded says so. ``tuned``: the
+    ``backward_tilegym_tuned`` recording, where TileGym tuned is read when ``backward`` does
+    not hold it."""
     table = [r for r in fb_table(backward) if r["shape"] != "geometric mean"]
     rec = backward["records"]
     rows = []
@@ -132,8 +148,9 @@ def fb_goals(backward, goals=FB_GOALS) -> Table:
     low = min(sp, default=(None, None))
     rows.append(_goal_row("fwd+bwd over mamba_ssm, every shape", ("≥", goals["every_shape"]),
                           low[0], low[1]))
-    for peer in [p for p in _peers(rec) if p != "mamba_ssm"] or ["tilegym"]:
-        vals = [(r[f"x_{peer}"], r["shape"]) for r in table if r.get(f"x_{peer}") is not None]
+    recorded = [p for p in _peers(rec) if p != "mamba_ssm" and p not in CUTILE_PEERS]
+    for peer in CUTILE_PEERS + tuple(recorded):
+        vals = [(v, shape) for shape, v in _peer_speedups((backward, tuned), peer).items()]
         worst = min(vals, default=(None, None))
         rows.append(_goal_row(f"faster than {LABEL.get(peer, peer)} fwd+bwd, every shape",
                               (">", goals["peers"]), worst[0], worst[1]))

@@ -156,17 +156,20 @@ def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims
 
 def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 2,
                   seqlen: int = 300):
-    """Run the launchers of the layer's conv and norm (:mod:`ssd.kernels.causal_conv1d`,
-    :mod:`ssd.kernels.gated_rmsnorm`) on empty CPU tensors in the layouts the mixer hands them,
-    and return the recorded launches: xBC and z column slices of in_proj's (b, l, d_in_proj)
-    output, y the SSD's contiguous output, for the ``preset`` layer (``ssd.layer.PRESETS``) at
-    ``batch`` x ``seqlen`` (the default has a partial last row block).
+    """Run the launchers of the layer's conv, norm and conv step (:mod:`ssd.kernels.causal_conv1d`,
+    :mod:`ssd.kernels.gated_rmsnorm`, :mod:`ssd.kernels.conv_step`) on empty CPU tensors in the
+    layouts the mixer hands them, and return the recorded launches: xBC and z column slices of
+    in_proj's (b, l, d_in_proj) output (one token's row for the step), y the SSD's contiguous
+    output, for the ``preset`` layer (``ssd.layer.PRESETS``) at ``batch`` x ``seqlen`` (the
+    default has a partial last row block).
 
     features: "none" (as the mixer calls them: bias and SiLU) or "all" (the conv with seq_idx
-    and an initial conv state as well; the norm has no options)."""
+    and an initial conv state as well, the step with a paged cache; the norm has no
+    options)."""
     import torch
 
     from ..kernels.causal_conv1d import causal_conv1d
+    from ..kernels.conv_step import conv_step
     from ..kernels.gated_rmsnorm import gated_rmsnorm
     from ..layer import PRESETS
 
@@ -176,33 +179,40 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     b, l = batch, seqlen
     zxbcdt = torch.empty(b, l, cfg.d_in_proj, dtype=t)
     z, xBC = zxbcdt[..., :cfg.d_inner], zxbcdt[..., cfg.d_inner:cfg.d_inner + cfg.conv_dim]
-    extra = {}
+    extra, rows, paged = {}, b, {}
     if features == "all":
         extra = dict(seq_idx=torch.zeros(b, l, dtype=torch.int32),
                      initial_states=torch.empty(b, cfg.conv_dim, cfg.d_conv - 1, dtype=t))
+        rows, paged = 2 * b, dict(state_batch_indices=torch.zeros(b, dtype=torch.int32))
+    weight = torch.empty(cfg.conv_dim, cfg.d_conv, dtype=t)
+    bias = torch.empty(cfg.conv_dim, dtype=t)
     with launch.capture() as records:
-        causal_conv1d(xBC, torch.empty(cfg.conv_dim, cfg.d_conv, dtype=t),
-                      torch.empty(cfg.conv_dim, dtype=t), **extra)
+        causal_conv1d(xBC, weight, bias, **extra)
         gated_rmsnorm(torch.empty(b, l, cfg.d_inner, dtype=t), z, torch.empty(cfg.d_inner),
                       cfg.d_inner // cfg.ngroups, 1e-5)
+        conv_step(torch.empty(rows, cfg.conv_dim, cfg.d_conv - 1, dtype=t), xBC[:, 0], weight,
+                  bias, **paged)
     return records
 
 
 # The backward's feature sets: "none" (no optional input; dt_out recomputed in the kernel) and
-# "all" (dt_bias, softplus, a clamp, initial states, dfinal_states, seq_idx, the saved dt_out).
+# "all" (dt_bias, softplus, a clamp, initial states, dfinal_states, seq_idx, the saved dt_out, and
+# the SSM part of y that the z gate's gradient needs, rebuilt by chunk_scan's backward).
 BACKWARD_FEATURES = ("none", "all")
 
 
 def capture_backward(dtype: str, features: str):
     """Run the launchers of the backward's cuTile stages (``ssd.kernels.<stage>_backward``:
-    state_passing, chunk_state, chunk_cumsum, in the order the backward calls them) on small
-    CPU tensors and return the recorded launches: x, B, dt and the saved entering states in
-    ``dtype``, as the forward leaves them; the upstream gradients, dt_out and dA_cumsum fp32. The
-    shape is the forward's (:func:`capture_forward`): chunk 256, a ragged last chunk, two groups
-    of four heads."""
+    chunk_scan, state_passing, chunk_state, chunk_cumsum, in the order the backward calls them)
+    on small CPU tensors and return the recorded launches: x, B, C, dt and the saved entering
+    states in ``dtype``, as the forward leaves them; the upstream gradients, dt_out and dA_cumsum
+    fp32. The shape is the forward's (:func:`capture_forward`): chunk 256, a ragged last chunk,
+    two groups of four heads."""
     import torch
 
+    from ..config import ScanBackwardConfig
     from ..kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
+    from ..kernels.chunk_scan_backward import chunk_scan_backward
     from ..kernels.chunk_state_backward import chunk_state_backward_cutile
     from ..kernels.state_passing_backward import state_passing_backward_cutile
 
@@ -216,6 +226,10 @@ def capture_backward(dtype: str, features: str):
     seq_idx = torch.zeros(b, l, dtype=torch.int32) if every else None
     dt_out = torch.rand(b, h, c, q)
     with launch.capture() as records:
+        chunk_scan_backward(torch.randn(b, l, h, p), torch.randn(b, l, g, n, dtype=t),
+                            torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
+                            dt_out, -torch.rand(b, h, c, q), torch.randn(b, c, h, p, n, dtype=t),
+                            seq_idx=seq_idx, config=ScanBackwardConfig(), rebuild_y=every)
         passing = state_passing_backward_cutile(
             torch.randn(b, c, h, p, n), torch.randn(b, c, h, p, n, dtype=t),
             -torch.rand(b, h, c, q), torch.randn(b, h, p, n) if every else None, seq_idx,
@@ -234,7 +248,7 @@ def capture_backward(dtype: str, features: str):
 def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) -> list[Compiled]:
     """Export every distinct (kernel, signature) of the forward, and unless ``forward_only`` of
     each packed sequence's final state, the backward's stage kernels (:func:`capture_backward`),
-    the decode step and the layer's conv and norm (:func:`capture_layer`), for each arch.
+    the decode step and the layer's conv, norm and conv step (:func:`capture_layer`), for each arch.
     ``forward_only`` also keeps to the forward with every feature, whose kernels hold the
     featureless ones' code and more."""
     from ..config import FusedScanConfig, SSDConfig
@@ -255,7 +269,8 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) 
                 records += [r for r in capture_forward(dtype, "varlen", True)
                             if r.kernel._pyfunc.__name__ == "chunk_state_varlen_kernel"]
                 # the backward's stage kernels with every option on (the options' flags only
-                # take code out: the bare forms cost compile time and risk little)
+                # take code out: the bare forms cost compile time and risk little; the GPU tests
+                # compile every feature set on sm_90)
                 records += capture_backward(dtype, "all")
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,

@@ -2,10 +2,15 @@
 
 For each shape of the models suite (``ssd.tools.bench.SUITES["models"]``: the Mamba-2 layer's SSD
 call, bf16, D per head, dt_bias and softplus; ``bench.make_inputs``), ours
-(``ssd.mamba_chunk_scan_combined``: the cuTile forward inside ``ssd.autograd``, the PyTorch
-backward of ``ssd.backward``) and mamba_ssm's Triton SSD, on the same inputs and the same
-upstream gradient dy ~ N(0, 1), at each chunk size of ``bench.SUITE_CHUNKS`` (each
-implementation counted at its fastest):
+(``ssd.mamba_chunk_scan_combined``: the cuTile forward inside ``ssd.autograd``, the backward
+of ``ssd.backward``: its cuTile stage kernels on a GPU), mamba_ssm's Triton SSD and TileGym's
+cuTile forward and backward (``ssd.tools.peers.tilegym_training_adapter``: dt_bias and softplus
+in PyTorch, timed with it), on the same inputs and the same upstream gradient dy ~ N(0, 1), at
+each chunk size of ``bench.SUITE_CHUNKS`` (each implementation counted at its fastest), TileGym
+at its chunk size 64 only, as the forward suite runs it. ``tilegym`` is TileGym untuned (each
+kernel's first candidate, ``TILEGYM_DISABLE_AUTOTUNE=1``); ``tilegym_tuned`` (not a default:
+minutes a shape) lets its autotuner search every kernel's candidates in the first call. Either
+way the configurations it ran with are recorded, per shape (``tilegym_configs``).
 
 1. **Gate.** One forward + backward of each (its first call: compilation or autotuning
    included, ``first_call_s``). The gradients of x, dt, A, D and dt_bias on the last
@@ -13,7 +18,7 @@ implementation counted at its fastest):
    (``ProblemSpec.reference_backward``; a head's gradients depend only on its own inputs and its
    group's B and C), both criteria of ``ssd.validate.check_gradient`` for bf16. An implementation
    that fails is recorded, not timed. mamba_ssm's autotuning is reset before each shape
-   (``ssd.tools.peers.retune_mamba_ssm``).
+   (``ssd.tools.peers.retune_mamba_ssm``), and TileGym's (``retune_tilegym``).
 2. **Memory.** The extra peak of one eager forward + backward over what was allocated before it
    (inputs, dy): ``torch.cuda.max_memory_allocated``, the returned gradients included.
 3. **Timing** with ``bench.time_fn`` (CUDA events around each call, the median and the 20/80 %
@@ -25,8 +30,9 @@ implementation counted at its fastest):
 
 It prints one line a shape and implementation at its fastest chunk size (forward + backward,
 graph): forward and forward + backward times, the backward's share (their ratio), the extra peak
-memory, and mamba_ssm's time over ours; then the geometric mean of that speedup. The payload
-(records, failures, skipped peers, settings, mamba_ssm's tuned configurations and the
+memory, and on each peer's line its time over ours; then, per peer, the geometric mean of that
+speedup. The payload (records, failures, skipped peers, settings, mamba_ssm's and TileGym's
+configurations and the
 environment, ``ssd.tools.env``) goes to ``results/<gpu>/backward.json`` or ``--out``. With
 ``--merge`` a run of some shapes merges into that file when it was made at the same revision on
 the same GPU with the same settings (``ssd.tools.bench.merge_runs``), so that several commands,
@@ -52,6 +58,11 @@ LEAVES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 GATE_HEADS = 2
 GATED = ("dx", "ddt", "dA", "dD", "ddt_bias")
 WHATS = ("forward", "forward+backward")
+#: Every implementation, and those run by default (TileGym tuned searches for minutes a shape).
+IMPLS = ("ssd", "mamba_ssm", "tilegym", "tilegym_tuned")
+DEFAULT_IMPLS = ("ssd", "mamba_ssm", "tilegym")
+#: The peers, in the order the table reports them.
+PEERS = IMPLS[1:]
 
 
 def leaves_of(inputs: dict) -> dict:
@@ -68,8 +79,9 @@ def upstream(shape: Shape, dtype="bfloat16", seed=1, device="cuda"):
     return torch.randn(b, l, h, p, device=device, generator=gen).to(getattr(torch, dtype))
 
 
-def implementations(leaves: dict, names=("ssd", "mamba_ssm"), chunks=SUITE_CHUNKS):
-    """({name: {chunk_size: zero-argument forward returning y}}, {name: why skipped})."""
+def implementations(leaves: dict, names=DEFAULT_IMPLS, chunks=SUITE_CHUNKS):
+    """({name: {chunk_size: zero-argument forward returning y}}, {name: why skipped}): ours and
+    mamba_ssm's at each of ``chunks``, TileGym's at ``peers.TILEGYM_CHUNK`` only."""
     from .. import api
     from . import peers
 
@@ -83,9 +95,16 @@ def implementations(leaves: dict, names=("ssd", "mamba_ssm"), chunks=SUITE_CHUNK
             fns["mamba_ssm"] = peers.mamba_ssm_forward()
         except peers.PeerUnavailable as exc:
             skipped["mamba_ssm"] = str(exc)
+    for name in ("tilegym", "tilegym_tuned"):
+        if name in names:
+            try:
+                fns[name] = peers.tilegym_training_adapter(tuned=name == "tilegym_tuned")
+            except peers.PeerUnavailable as exc:
+                skipped[name] = str(exc)
     for name, f in fns.items():
+        sizes = (peers.TILEGYM_CHUNK,) if name.startswith("tilegym") else chunks
         table[name] = {q: (lambda f=f, q=q: f(x, dt, A, B, C, q, D=D, dt_bias=bias,
-                                              dt_softplus=True)) for q in chunks}
+                                              dt_softplus=True)) for q in sizes}
     return table, skipped
 
 
@@ -160,15 +179,15 @@ def extra_peak_mb(fn) -> float:
     return (peak - before) / 2**20
 
 
-def run(shapes, *, impls=("ssd", "mamba_ssm"), chunks=SUITE_CHUNKS, modes=("graph", "eager"),
+def run(shapes, *, impls=DEFAULT_IMPLS, chunks=SUITE_CHUNKS, modes=("graph", "eager"),
         l2="flushed", reps=30, dtype="bfloat16") -> dict:
     """Gate, measure memory, then time every implementation on every shape; return the payload
-    (records, failures, skipped, mamba_ssm_configs, settings)."""
+    (records, failures, skipped, mamba_ssm_configs, tilegym_configs, settings)."""
     import torch
 
     from . import peers
 
-    records, failures, skipped_all, tuned = [], [], {}, {}
+    records, failures, skipped_all, tuned, tilegym = [], [], {}, {}, {}
     for shape in shapes:
         inputs = make_inputs(shape, dtype)
         dy = upstream(shape, dtype)
@@ -178,6 +197,8 @@ def run(shapes, *, impls=("ssd", "mamba_ssm"), chunks=SUITE_CHUNKS, modes=("grap
         skipped_all.update({f"{shape.name}/{k}": v for k, v in skipped.items()})
         if "mamba_ssm" in table:
             peers.retune_mamba_ssm()  # tune on this shape, not on the suite's first one
+        if any(name.startswith("tilegym") for name in table):
+            peers.retune_tilegym()  # record this shape's configurations only
         for impl, by_chunk in table.items():
             for q, forward in by_chunk.items():
                 where = dict(shape=shape.name, dims=list(shape.dims), impl=impl, chunk_size=q,
@@ -193,12 +214,17 @@ def run(shapes, *, impls=("ssd", "mamba_ssm"), chunks=SUITE_CHUNKS, modes=("grap
                     checked = gate(dict(zip(("d" + k for k in LEAVES), grads)))
                     del grads
                     extra = extra_peak_mb(fns["forward+backward"])
+                except peers.PeerUnavailable as exc:  # a feature the peer lacks: not timed
+                    skipped_all[f"{shape.name}/{impl}"] = str(exc)
+                    continue
                 except Exception as exc:  # a peer that crashes is a result, not a harness error
                     failures.append(dict(where, error=f"{type(exc).__name__}: {exc}"[:400]))
                     continue
                 if not checked.pop("ok"):
                     failures.append(dict(where, error="correctness gate", **checked))
                     continue
+                if impl == "tilegym_tuned":
+                    checked["tuning"] = "searched"  # first_call_s holds the search
                 for what in WHATS:
                     for mode in modes:
                         try:
@@ -212,16 +238,22 @@ def run(shapes, *, impls=("ssd", "mamba_ssm"), chunks=SUITE_CHUNKS, modes=("grap
                                             extra_peak_mb=extra))
         if "mamba_ssm" in table:
             tuned[shape.name] = peers.mamba_ssm_configs()
+        ran = {name: peers.tilegym_configs(tuned=name == "tilegym_tuned")
+               for name in table if name.startswith("tilegym")}
+        if ran:
+            tilegym[shape.name] = ran
         del inputs, leaves, dy, gate, table
         torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, l2=l2, modes=list(modes), chunks=list(chunks),
                     flush_bytes=512 * 2**20 if l2 == "flushed" else 0, timer="CUDA events",
                     statistic="median", dtype=dtype, leaves=list(LEAVES),
                     dy="N(0, 1) in y's dtype", mamba_ssm_autotune="per shape",
+                    tilegym_chunk_size=peers.TILEGYM_CHUNK,
+                    tilegym_dt="softplus(dt + dt_bias) in PyTorch, rounded to dt's dtype, timed",
                     gate=f"dx, ddt, dA, dD, ddt_bias of the last {GATE_HEADS} heads, bf16 "
                          "GRAD_TOL, against the float64 reference")
     return dict(records=records, failures=failures, skipped=skipped_all,
-                mamba_ssm_configs=tuned, settings=settings)
+                mamba_ssm_configs=tuned, tilegym_configs=tilegym, settings=settings)
 
 
 def best(records, mode="graph") -> dict:
@@ -256,23 +288,24 @@ def table(payload) -> str:
     lines = []
     for mode in payload["settings"]["modes"]:
         top = best(payload["records"], mode)
-        sp = speedups(payload["records"], mode=mode)
+        sp = {peer: speedups(payload["records"], over=peer, mode=mode) for peer in PEERS}
         lines += [f"{mode}, L2 {payload['settings']['l2']}; each implementation at its fastest "
-                  "forward + backward chunk size",
-                  f"{'shape':13s} {'impl':10s} {'q':>4s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} "
-                  f"{'fwd+bwd/fwd':>11s} {'extra MB':>9s} {'speedup':>8s}"]
+                  "forward + backward chunk size; x ours: a peer's fwd+bwd over ours",
+                  f"{'shape':13s} {'impl':13s} {'q':>4s} {'fwd ms':>8s} {'fwd+bwd ms':>11s} "
+                  f"{'fwd+bwd/fwd':>11s} {'extra MB':>9s} {'x ours':>8s}"]
         for (shape, impl), recs in top.items():
             both, fwd = recs["forward+backward"], recs.get("forward")
             fwd_ms = fwd["median_ms"] if fwd else math.nan
-            s = sp.get(shape) if impl == "ssd" else None
-            lines.append(f"{shape:13s} {impl:10s} {both['chunk_size']:4d} {fwd_ms:8.3f} "
+            s = sp.get(impl, {}).get(shape)
+            lines.append(f"{shape:13s} {impl:13s} {both['chunk_size']:4d} {fwd_ms:8.3f} "
                          f"{both['median_ms']:11.3f} {both['median_ms'] / fwd_ms:11.2f} "
                          f"{both['extra_peak_mb']:9.0f} "
                          + (f"{s:7.2f}x" if s is not None else f"{'':8s}"))
-        if sp:
-            geo = math.exp(float(np.mean(np.log(list(sp.values())))))
-            lines.append(f"mamba_ssm / ours, forward + backward: geometric mean {geo:.2f}x over "
-                         f"{len(sp)} shapes, lowest {min(sp.values()):.2f}x")
+        for peer, by_shape in sp.items():
+            if by_shape:
+                geo = math.exp(float(np.mean(np.log(list(by_shape.values())))))
+                lines.append(f"{peer} / ours, forward + backward: geometric mean {geo:.2f}x "
+                             f"over {len(by_shape)} shapes, lowest {min(by_shape.values()):.2f}x")
     lines += [f"FAILED {f}" for f in payload["failures"]]
     lines += [f"skipped {name}: {why}" for name, why in payload["skipped"].items()]
     return "\n".join(lines)
@@ -303,8 +336,8 @@ def main(argv=None) -> int:
     names = [s.name for s in SUITES["models"]]
     parser.add_argument("--shapes", default=",".join(names),
                         help=f"models shapes, comma-separated (of {', '.join(names)})")
-    parser.add_argument("--impl", action="append", choices=("ssd", "mamba_ssm"),
-                        help="implementation (repeatable; default both)")
+    parser.add_argument("--impl", action="append", choices=IMPLS,
+                        help=f"implementation (repeatable; default {', '.join(DEFAULT_IMPLS)})")
     parser.add_argument("--chunks", type=_ints, default=SUITE_CHUNKS, metavar="Q,Q",
                         help="chunk sizes (default %(default)s)")
     parser.add_argument("--modes", default="graph,eager",
@@ -326,7 +359,7 @@ def main(argv=None) -> int:
         parser.error(f"--chunks: {bad} not in 16, 32, 64, 128, 256")
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
-    payload = run(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm")), chunks=args.chunks,
+    payload = run(shapes, impls=tuple(args.impl or DEFAULT_IMPLS), chunks=args.chunks,
                   modes=modes, l2=args.l2, reps=args.reps)
     payload["environment"] = env
     path = Path(args.out or RESULTS / gpu_slug(env) / "backward.json")

@@ -27,6 +27,14 @@ What it does, in order, for every shape of a suite:
    tuned build compiles in a child process (:mod:`ssd.launch`): ``tuned_s`` is when that was
    ready, and nothing is gated or timed before it is.
 
+6. **Where the minutes go**: a shape's first calls (compiling, autotuning) cost far more than
+   its timed runs. Each shape's wall seconds per phase are recorded (``phase_s``) and printed.
+   A suite's :class:`SuitePolicy` says how it spends first calls: the chunk sizes ours runs at
+   (the robust suite: one, :data:`OUR_CHUNK`, against mamba_ssm's best of three) and whether
+   our kernels for all its shapes are compiled first in parallel processes
+   (:func:`compile_ahead`; ours' records then say ``precompiled``, and their ``first_call_s``
+   is a cache hit, no compile time).
+
 Results go to ``results/<gpu>/<suite>.json``: a list of records with ``shape``, ``dims``,
 ``impl``, ``chunk_size``, ``mode``, ``l2``, ``median_ms``, quantiles, ``floor_ms`` and the
 environment record (``ssd.tools.env.environment``).
@@ -210,6 +218,32 @@ STUDY_SHAPES = ("130m", "2.7b")
 OUR_CHUNK = 64
 
 
+@dataclass(frozen=True)
+class SuitePolicy:
+    """How a suite spends its first calls (most of a shape's minutes: compiling, autotuning).
+
+    ``our_chunks``: the chunk sizes ours is timed at, its fastest counting. Every peer that
+    takes a chunk size keeps all of :data:`SUITE_CHUNKS` and its fastest: timing ours at fewer
+    can only make ours look slower, never faster.
+    ``precompile``: our kernels for every shape of the run are compiled before any timing, in
+    parallel processes (:func:`compile_ahead`), so ours' first calls are cache hits; its
+    records then say ``precompiled`` and their ``first_call_s`` is no compile time. Off where
+    first-call seconds are a result (the models suite's, the first-call suite's)."""
+
+    our_chunks: tuple = SUITE_CHUNKS
+    precompile: bool = False
+
+
+#: Each suite's :class:`SuitePolicy` (a suite not named here: the default, as models).
+#: robust asks whether ours beats mamba_ssm's best chunk size on every shape (issue 46): ours runs
+#: at the one chunk size the API is recommended at (OUR_CHUNK), mamba_ssm at its best of three.
+#: serving reports no first call: its kernels are compiled ahead.
+SUITE_POLICIES = {
+    "robust": SuitePolicy(our_chunks=(OUR_CHUNK,), precompile=True),
+    "serving": SuitePolicy(precompile=True),
+}
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
@@ -268,9 +302,11 @@ def positive_dt(inputs):
 # ----------------------------------------------------------------------------- implementations
 
 
-def implementations(inputs, names=("ssd", "mamba_ssm", "tilegym"), config=None):
+def implementations(inputs, names=("ssd", "mamba_ssm", "tilegym"), config=None,
+                    our_chunks=SUITE_CHUNKS):
     """name -> {chunk_size: zero-argument callable returning y}, for the peers available, and
-    name -> why, for those skipped. Packed inputs (a ``seq_idx`` key) go with their seq_idx to
+    name -> why, for those skipped: ours at ``our_chunks`` (:class:`SuitePolicy`), mamba_ssm at
+    every one of SUITE_CHUNKS. Packed inputs (a ``seq_idx`` key) go with their seq_idx to
     every implementation that takes it (ours, mamba_ssm's)."""
     import torch
 
@@ -283,7 +319,7 @@ def implementations(inputs, names=("ssd", "mamba_ssm", "tilegym"), config=None):
     if "ssd" in names:
         out["ssd"] = {q: (lambda q=q: api.mamba_chunk_scan_combined(
             x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True, config=config, **packed))
-            for q in SUITE_CHUNKS}
+            for q in our_chunks}
     if "mamba_ssm" in names:
         try:
             mamba = peers.mamba_ssm_forward()
@@ -604,9 +640,42 @@ def _progress(items, desc):
         return items
 
 
+#: The clock of :class:`PhaseClock` (a name of its own, so that a test can stub it).
+_now = time.perf_counter
+
+
+class PhaseClock:
+    """Wall seconds per phase of a run: ``with clock("gate"): ...`` adds the block's seconds to
+    "gate" (a phase entered several times adds up). :meth:`stop` returns them with ``other``
+    (what no phase covered) and ``total`` (since the clock was made)."""
+
+    def __init__(self):
+        self.started, self.seconds = _now(), {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = _now()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + _now() - start
+
+    def stop(self) -> dict:
+        total = _now() - self.started
+        return dict(self.seconds, other=total - sum(self.seconds.values()), total=total)
+
+
+def phase_line(name: str, seconds: dict) -> str:
+    """One line of a :meth:`PhaseClock.stop` result: the total, then each phase in the order
+    it first ran, ``other`` last."""
+    parts = ", ".join(f"{k} {v:.1f}" for k, v in seconds.items() if k != "total")
+    return f"[bench] {name}: {seconds['total']:.1f} s: {parts}"
+
+
 def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", "eager"),
               l2s=("flushed", "warm"), reps=50, config=None, stages=True, ceilings=None,
-              dtype="bfloat16", tilegym_replay=None) -> dict:
+              dtype="bfloat16", tilegym_replay=None, policy=SuitePolicy(),
+              compile_workers=None) -> dict:
     """Gate, then time every implementation on every shape; return the suite's payload.
 
     mamba_ssm's autotuned kernels are reset before each shape (:func:`ssd.tools.peers.retune_mamba_ssm`),
@@ -615,6 +684,16 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
     :func:`tilegym_replay_source`): TileGym tuned takes that run's configurations instead of
     searching (:func:`ssd.tools.peers.tilegym_replaying`); its records say ``tuning="replayed"`` and its
     ``first_call_s`` holds no tuning (the run it replays kept that).
+
+    ``policy`` (:class:`SuitePolicy`): the chunk sizes ours runs at, and whether our kernels
+    for every shape are compiled first, in ``compile_workers`` processes (default
+    :data:`COMPILE_WORKERS`); then ours' records say ``precompiled``.
+
+    Where the minutes go: ``phase_s`` (shape -> phase -> wall seconds: ``inputs``, ``gate``
+    (the float64 reference and the comparisons), ``first/<impl>`` (first calls: compiling,
+    autotuning, waiting for tuned builds, plus two runs), ``timed/<impl>``, ``stages``,
+    ``other``, ``total``), printed a line a shape; ``run_phase_s``: a list of one row (shapes,
+    ``precompile``, ``ceilings``, ``total``, ...), a list so that merged runs keep each one's.
     """
     import torch
 
@@ -622,74 +701,113 @@ def run_suite(shapes, *, impls=("ssd", "mamba_ssm", "tilegym"), modes=("graph", 
 
     if "tilegym" in impls and "tilegym_tuned" not in impls:
         os.environ["TILEGYM_DISABLE_AUTOTUNE"] = "1"  # untuned default, chunk 64
-    ceilings = ceilings or measure_ceilings()
+    precompiled = policy.precompile and "ssd" in impls
+    workers = compile_workers or COMPILE_WORKERS
+    run_clock = PhaseClock()
     records, failures, skipped_all, stage_rows, tuned = [], [], {}, [], {}
-    tilegym_tuned, tilegym_stages = {}, {}
-    for shape in _progress(shapes, "shapes"):
-        inputs = make_inputs(shape, dtype)
-        gate = Gate(shape, inputs)
-        table, skipped = implementations(inputs, impls, config)
-        skipped_all.update({f"{shape.name}/{k}": v for k, v in skipped.items()})
-        floor = floor_ms(shape, ceilings)
-        packing = dict(seq_boundaries=list(shape.seq_boundaries)) if shape.packed else {}
-        if "mamba_ssm" in table:
-            peers.retune_mamba_ssm()  # tune on this shape, not on the suite's first one
-        replayed = (tilegym_replay or {}).get(shape.name)
-        replaying = (peers.tilegym_replaying(replayed["configs"])
-                     if replayed and "tilegym_tuned" in table else contextlib.nullcontext())
-        with replaying:
-            for impl, by_chunk in table.items():
-                for q, fn in by_chunk.items():
-                    try:
-                        first_s, tuned_s, y_first, y = first_call(fn)
-                    except Exception as exc:  # a peer that crashes is a result, not a harness error
-                        failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
-                                             error=f"{type(exc).__name__}: {exc}"[:400]))
-                        continue
-                    err = worst(gate(y_first), gate(y))
-                    if err < 0 or not math.isfinite(err):
-                        failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
-                                             error=f"correctness gate: rel err {abs(err):.3e}"))
-                        continue
-                    tuning = {} if tuned_s is None else dict(tuned_s=tuned_s)
-                    if impl == "tilegym_tuned":
-                        tuning = dict(tuning="replayed" if replayed else "searched")
-                    for mode in modes:
-                        for l2 in l2s:
-                            stats = time_fn(fn, mode=mode, l2=l2, reps=reps)
-                            records.append(dict(shape=shape.name, dims=list(shape.dims), impl=impl,
-                                                chunk_size=q, mode=mode, l2=l2, dtype=dtype,
-                                                **packing, **stats, **floor, gate_rel_err=err,
-                                                first_call_s=first_s, **tuning))
-            # ours' stage times at its fastest chunk size, as the peers' at theirs
-            if stages or "tilegym_tuned" in table:
-                our_q = fastest_chunk(records, shape.name, "ssd") or OUR_CHUNK
-            if stages and not shape.packed:  # stage_times times the unpacked kernels
-                row = dict(shape=shape.name, ssd_chunk_size=our_q,
-                           ssd=stage_times(inputs, our_q, config=config))
-                mamba_q = fastest_chunk(records, shape.name, "mamba_ssm")
-                if mamba_q:
-                    row["mamba_ssm_chunk_size"] = mamba_q
-                    row["mamba_ssm"] = mamba_ssm_stage_times(inputs, mamba_q)
-                stage_rows.append(row)
-            if "mamba_ssm" in table:
-                tuned[shape.name] = peers.mamba_ssm_configs()
-            if "tilegym_tuned" in table:
-                tilegym_tuned[shape.name] = peers.tilegym_configs()
-                tilegym_stages[shape.name] = dict(ssd_chunk_size=our_q,
-                                                  ssd=stage_times(inputs, our_q, config=config),
-                                                  tilegym_tuned=tilegym_stage_times(inputs))
-        del inputs
-        torch.cuda.empty_cache()
+    tilegym_tuned, tilegym_stages, phase_s = {}, {}, {}
+    with contextlib.ExitStack() as stack:
+        if precompiled:
+            with run_clock("precompile"):
+                compile_ahead([(s, q, config) for s in shapes for q in policy.our_chunks],
+                              workers)
+            # the tuned builds are in the cache: a first call launches them, no quick build
+            stack.enter_context(_environ(SSD_QUICK_FIRST_CALL="0"))
+        if ceilings is None:
+            with run_clock("ceilings"):
+                ceilings = measure_ceilings()
+        with run_clock("all_shapes"):
+            for shape in _progress(shapes, "shapes"):
+                clock = PhaseClock()
+                with clock("inputs"):
+                    inputs = make_inputs(shape, dtype)
+                with clock("gate"):
+                    gate = Gate(shape, inputs)
+                table, skipped = implementations(inputs, impls, config, policy.our_chunks)
+                skipped_all.update({f"{shape.name}/{k}": v for k, v in skipped.items()})
+                floor = floor_ms(shape, ceilings)
+                packing = dict(seq_boundaries=list(shape.seq_boundaries)) if shape.packed else {}
+                if "mamba_ssm" in table:
+                    peers.retune_mamba_ssm()  # tune on this shape, not on the first one
+                replayed = (tilegym_replay or {}).get(shape.name)
+                replaying = (peers.tilegym_replaying(replayed["configs"])
+                             if replayed and "tilegym_tuned" in table
+                             else contextlib.nullcontext())
+                with replaying:
+                    for impl, by_chunk in table.items():
+                        for q, fn in by_chunk.items():
+                            try:
+                                with clock(f"first/{impl}"):
+                                    first_s, tuned_s, y_first, y = first_call(fn)
+                            except Exception as exc:  # a peer that crashes is a result
+                                failures.append(dict(shape=shape.name, impl=impl, chunk_size=q,
+                                                     error=f"{type(exc).__name__}: {exc}"[:400]))
+                                continue
+                            with clock("gate"):
+                                err = worst(gate(y_first), gate(y))
+                            if err < 0 or not math.isfinite(err):
+                                failures.append(dict(
+                                    shape=shape.name, impl=impl, chunk_size=q,
+                                    error=f"correctness gate: rel err {abs(err):.3e}"))
+                                continue
+                            tuning = {} if tuned_s is None else dict(tuned_s=tuned_s)
+                            if impl == "tilegym_tuned":
+                                tuning = dict(tuning="replayed" if replayed else "searched")
+                            if impl == "ssd" and precompiled:  # first_call_s: a cache hit
+                                tuning["precompiled"] = True
+                            with clock(f"timed/{impl}"):
+                                for mode in modes:
+                                    for l2 in l2s:
+                                        stats = time_fn(fn, mode=mode, l2=l2, reps=reps)
+                                        records.append(dict(
+                                            shape=shape.name, dims=list(shape.dims), impl=impl,
+                                            chunk_size=q, mode=mode, l2=l2, dtype=dtype,
+                                            **packing, **stats, **floor, gate_rel_err=err,
+                                            first_call_s=first_s, **tuning))
+                    # ours' stage times at its fastest chunk size, as the peers' at theirs
+                    our_q = fastest_chunk(records, shape.name, "ssd") or OUR_CHUNK
+                    if stages and not shape.packed:  # stage_times times the unpacked kernels
+                        with clock("stages"):
+                            stage_rows.append(_stage_row(shape, inputs, records, our_q, config))
+                    if "mamba_ssm" in table:
+                        tuned[shape.name] = peers.mamba_ssm_configs()
+                    if "tilegym_tuned" in table:
+                        tilegym_tuned[shape.name] = peers.tilegym_configs()
+                        with clock("stages"):
+                            tilegym_stages[shape.name] = dict(
+                                ssd_chunk_size=our_q,
+                                ssd=stage_times(inputs, our_q, config=config),
+                                tilegym_tuned=tilegym_stage_times(inputs))
+                del inputs
+                torch.cuda.empty_cache()
+                phase_s[shape.name] = clock.stop()
+                print(phase_line(shape.name, phase_s[shape.name]), flush=True)
+    run_phase = dict(shapes=[s.name for s in shapes], **run_clock.stop())
+    if precompiled:
+        run_phase["compile_workers"] = workers
     settings = dict(reps=reps, warmup=5, flush_bytes=512 * 2**20, timer="CUDA events",
-                    statistic="median", mamba_ssm_autotune="per shape")
+                    statistic="median", mamba_ssm_autotune="per shape",
+                    our_chunk_sizes=list(policy.our_chunks), precompiled=precompiled)
     payload = dict(records=records, stages=stage_rows, failures=failures, skipped=skipped_all,
                    mamba_ssm_configs=tuned, tilegym_configs=tilegym_tuned,
-                   tilegym_stages=tilegym_stages, ceilings=ceilings, settings=settings)
+                   tilegym_stages=tilegym_stages, ceilings=ceilings, settings=settings,
+                   phase_s=phase_s, run_phase_s=[run_phase])
     if tilegym_replay:
         payload["tilegym_replayed_from"] = {s: {k: v for k, v in r.items() if k != "configs"}
                                             for s, r in tilegym_replay.items()}
     return payload
+
+
+def _stage_row(shape, inputs, records, our_q, config) -> dict:
+    """:func:`run_suite`'s stage times of one shape: ours' at ``our_q``, mamba_ssm's at its
+    fastest chunk size where it ran."""
+    row = dict(shape=shape.name, ssd_chunk_size=our_q,
+               ssd=stage_times(inputs, our_q, config=config))
+    mamba_q = fastest_chunk(records, shape.name, "mamba_ssm")
+    if mamba_q:
+        row["mamba_ssm_chunk_size"] = mamba_q
+        row["mamba_ssm"] = mamba_ssm_stage_times(inputs, mamba_q)
+    return row
 
 
 #: TileGym's tuned configurations per GPU and shape (``make gpu-tilegym`` writes it): the input
@@ -1047,13 +1165,15 @@ def study_points(shapes, space, sms) -> dict:
             for shape in shapes}
 
 
-def compile_ahead(shape: Shape, points, workers: int) -> float:
-    """Build the kernels of ``points`` ((chunk size, SSDConfig) pairs) on ``shape`` into cuTile's
-    kernel cache (``CUDA_TILE_CACHE_DIR``, which must name a folder) in ``workers`` processes at
-    once; returns the wall seconds. tileiras compiles on one core: a study's hundred builds take
-    minutes one after another and a fraction of that spread over the machine's cores. The
-    timings that follow are unchanged: a cache hit launches the same cubin. Each process runs
-    every point of its share once, tuned builds only (``SSD_QUICK_FIRST_CALL=0``)."""
+def compile_ahead(calls, workers: int) -> float:
+    """Build our kernels for ``calls`` ((Shape, chunk size, SSDConfig or None: the API's
+    default on this GPU) triples) into cuTile's kernel cache (``CUDA_TILE_CACHE_DIR``, which
+    must name a folder) in ``workers`` processes at once; returns the wall seconds. tileiras
+    compiles on one core: a study's hundred builds, or a suite's shapes, take minutes one after
+    another and a fraction of that spread over the machine's cores. The timings that follow are
+    unchanged: a cache hit launches the same cubin. Each process runs each call of its share
+    once, on the shape's inputs (a packed shape's seq_idx included), tuned builds only
+    (``SSD_QUICK_FIRST_CALL=0``)."""
     cache = os.environ.get("CUDA_TILE_CACHE_DIR")
     if not cache or cache == "off":
         raise RuntimeError("compile_ahead: CUDA_TILE_CACHE_DIR names no cache folder to fill")
@@ -1061,11 +1181,10 @@ def compile_ahead(shape: Shape, points, workers: int) -> float:
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     start, running = time.perf_counter(), []
     with contextlib.ExitStack() as stack:
-        for share in (points[i::workers] for i in range(workers)):
+        for share in (calls[i::workers] for i in range(workers)):
             if not share:
                 continue
-            job = json.dumps(dict(shape=[shape.name, *shape.dims],
-                                  points=[[q, asdict(cfg)] for q, cfg in share]))
+            job = json.dumps([[asdict(shape), q, cfg and asdict(cfg)] for shape, q, cfg in share])
             err = stack.enter_context(tempfile.TemporaryFile())
             proc = subprocess.Popen([sys.executable, "-m", "ssd.tools.bench", "--compile-job"],
                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
@@ -1084,26 +1203,34 @@ def compile_ahead(shape: Shape, points, workers: int) -> float:
     return time.perf_counter() - start
 
 
-def _compile_job(job: dict) -> None:
-    """One :func:`compile_ahead` worker: each point of ``job`` (its JSON) run once on the shape."""
+def _compile_job(job: list) -> None:
+    """One :func:`compile_ahead` worker: each call of ``job`` (its JSON: [shape fields, chunk
+    size, config fields or None]) run once, each shape's inputs made once."""
     import torch
 
     from .. import api
 
-    x, dt, A, B, C, D, bias = _forward_args(make_inputs(Shape(*job["shape"])))
-    for q, cfg in job["points"]:
+    made = None
+    for fields, q, cfg in job:
+        shape = Shape(**dict(fields, seq_boundaries=tuple(fields["seq_boundaries"])))
+        if made is None or made[0] != shape:
+            made = None  # the last shape's inputs freed before the next one's are made
+            made = shape, make_inputs(shape)
+        inputs = made[1]
+        packed = {"seq_idx": inputs["seq_idx"]} if shape.packed else {}
+        x, dt, A, B, C, D, bias = _forward_args(inputs)
         api.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, dt_bias=bias, dt_softplus=True,
-                                      config=SSDConfig.from_dict(cfg))
+                                      config=cfg and SSDConfig.from_dict(cfg), **packed)
     torch.cuda.synchronize()
 
 
-#: Processes :func:`run_study` compiles in: most of a 16-core GPU machine's cores, each with a
-#: CUDA context and one shape's inputs (under 2 GB of GPU memory).
-STUDY_COMPILE_WORKERS = min(12, max(1, (os.cpu_count() or 2) - 2))
+#: Processes :func:`compile_ahead` compiles in: most of a 16-core GPU machine's cores, each
+#: with a CUDA context and one shape's inputs (under 2 GB of GPU memory).
+COMPILE_WORKERS = min(12, max(1, (os.cpu_count() or 2) - 2))
 
 
 def run_study(shapes, space=None, reps=30, stages=False,
-              compile_workers=STUDY_COMPILE_WORKERS) -> dict:
+              compile_workers=COMPILE_WORKERS) -> dict:
     """Time ours over the config space on each shape (graph replay, L2 flushed): ``space`` (a
     list of (factor, chunk size, SSDConfig), or a function of the shape and the GPU's SM count
     returning one), or per shape ``config_space(shape.dims, sms)``, whose first point is what
@@ -1146,7 +1273,7 @@ def _study_rows(shapes, points_of, reps, stages, compile_workers) -> list:
     rows = []
     for shape in _progress(shapes, "study"):
         if compile_workers > 1:
-            seconds = compile_ahead(shape, [(q, cfg) for _, q, cfg in points_of[shape.name]],
+            seconds = compile_ahead([(shape, q, cfg) for _, q, cfg in points_of[shape.name]],
                                     compile_workers)
             print(f"[bench] {shape.name}: {len(points_of[shape.name])} points compiled in "
                   f"{seconds:.0f} s by {compile_workers} processes", flush=True)
@@ -1298,6 +1425,15 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", metavar="NAME,NAME",
                         help="only these shapes of the suite (the study: of the models suite; "
                              f"default {','.join(STUDY_SHAPES)})")
+    parser.add_argument("--precompile", action=argparse.BooleanOptionalAction,
+                        help="compile our kernels for every shape of the run first, in parallel "
+                             "processes (ours' first calls then hit the cache; its records say "
+                             "precompiled); default: the suite's policy (SUITE_POLICIES: on for "
+                             "robust and serving)")
+    parser.add_argument("--our-chunks", metavar="Q,Q",
+                        help="the chunk sizes ours runs at, of "
+                             f"{','.join(map(str, SUITE_CHUNKS))} (default: the suite's policy: "
+                             f"robust {OUR_CHUNK} only, the others all); peers keep all")
     parser.add_argument("--compile-job", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.compile_job:  # a compile_ahead worker: its job on stdin, the parent's kernel cache
@@ -1319,6 +1455,10 @@ def main(argv=None) -> int:
         parser.error("--around goes with --vary")
     if args.tilegym_replay and "tilegym_tuned" not in (args.impl or ()):
         parser.error("--tilegym-replay goes with --impl tilegym_tuned")
+    if (args.precompile is not None or args.our_chunks) and args.suite in ("study", "first-call"):
+        parser.error("--precompile and --our-chunks go with a suite of shapes, not with study or "
+                     "first-call")
+    args.policy = _suite_policy(parser, args)
     pool = {s.name: s for s in SUITES.get("models" if args.suite == "study" else args.suite, ())}
     names = args.shapes.split(",") if args.shapes else (
         list(STUDY_SHAPES) if args.suite == "study" else list(pool))
@@ -1331,6 +1471,20 @@ def main(argv=None) -> int:
     with contextlib.ExitStack() as stack:
         caches = fresh_kernel_caches(stack)
         return _run(parser, args, shapes, names, caches)
+
+
+def _suite_policy(parser, args) -> SuitePolicy:
+    """The suite's :class:`SuitePolicy` with the command line's --precompile and --our-chunks."""
+    policy = SUITE_POLICIES.get(args.suite, SuitePolicy())
+    if args.precompile is not None:
+        policy = replace(policy, precompile=args.precompile)
+    if args.our_chunks:
+        chunks = tuple(int(q) if q.isdigit() else q for q in args.our_chunks.split(","))
+        if not set(chunks) <= set(SUITE_CHUNKS):
+            parser.error(f"--our-chunks {args.our_chunks}: expected some of "
+                         f"{','.join(map(str, SUITE_CHUNKS))}")
+        policy = replace(policy, our_chunks=tuple(sorted(set(chunks))))
+    return policy
 
 
 def _parse_shard(parser, text: str) -> tuple:
@@ -1363,24 +1517,27 @@ def _merge_target(args, env) -> dict | None:
 
 def merge_runs(old: dict, new: dict) -> dict:
     """A recording of some shapes merged into one of other shapes, made at the same revision
-    with the same settings (a suite split over several commands): lists of per-shape rows and
-    dicts keyed by shape take the new run's entries for its shapes and keep the old run's for
-    the others; ``skipped`` is keyed "shape/impl"; the rest (settings, environment) is the new
-    run's. Raises ValueError for another revision or other settings."""
+    with the same settings (a suite split over several commands): lists of per-shape rows (or
+    per-run rows naming their ``shapes``, as ``run_phase_s``) and dicts keyed by shape take the
+    new run's entries for its shapes and keep the old run's for the others; ``skipped`` is keyed
+    "shape/impl"; the rest (settings, environment) is the new run's. Raises ValueError for
+    another revision or other settings."""
     same = ("git_revision", "gpu")
     if any(old.get("environment", {}).get(k) != new["environment"].get(k) for k in same) or \
             old.get("settings") != new.get("settings"):
         raise ValueError("--merge: the recording there has another revision, GPU or settings "
-                         "(--reps, --quick): run these shapes as it was run")
+                         "(--reps, --quick, --precompile, --our-chunks): run these shapes as "
+                         "it was run")
     shapes = {r["shape"] for key in ("records", "rows", "stages", "failures")
               for r in new.get(key, []) if isinstance(r, dict) and "shape" in r}
     shapes |= {k for key in ("mamba_ssm_configs", "tilegym_configs", "tilegym_stages",
-                             "tilegym_replayed_from") for k in new.get(key, {})}
+                             "tilegym_replayed_from", "phase_s") for k in new.get(key, {})}
     out = dict(new)
     for key, value in new.items():
-        if isinstance(value, list) and key in old:
-            out[key] = [r for r in old[key] if r.get("shape") not in shapes] + value
-        elif key == "skipped" or key.endswith(("_configs", "_stages", "_from")):
+        if isinstance(value, list) and key in old:  # rows of a shape, or of a run's "shapes"
+            out[key] = [r for r in old[key] if r.get("shape") not in shapes
+                        and not shapes & set(r.get("shapes", ()))] + value
+        elif key in ("skipped", "phase_s") or key.endswith(("_configs", "_stages", "_from")):
             out[key] = {**{k: v for k, v in old.get(key, {}).items()
                            if k.split("/")[0] not in shapes}, **value}
     return out
@@ -1423,7 +1580,7 @@ def _run(parser, args, shapes, names, caches) -> int:
             space = lambda shape, sms: vary_space(args.vary, shape_default(shape.dims, sms))  # noqa: E731
         payload = run_study(shapes, space=space, reps=args.reps, stages=args.stages)
         payload["settings"] = dict(around=args.around if args.vary else "study", stages=args.stages,
-                                   compile_workers=STUDY_COMPILE_WORKERS)
+                                   compile_workers=COMPILE_WORKERS)
         for shape, points in study_ratios(payload["rows"]).items():
             print(f"\n{shape}: time / default, or for the stage factors around a one-kernel default /"
                   " its three stages (forward, graph, L2 flushed"
@@ -1438,7 +1595,8 @@ def _run(parser, args, shapes, names, caches) -> int:
         # a merged recording keeps one set of ceilings: the floors of all its records use them
         ceilings = merged.get("ceilings") if (merged := _merge_target(args, env)) else None
         payload = run_suite(shapes, impls=tuple(args.impl or ("ssd", "mamba_ssm", "tilegym")),
-                            reps=args.reps, tilegym_replay=replay, ceilings=ceilings, **quick)
+                            reps=args.reps, tilegym_replay=replay, ceilings=ceilings,
+                            policy=args.policy, **quick)
         if merged:
             payload["environment"] = env
             payload = merge_runs(merged, payload)

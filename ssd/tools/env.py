@@ -3,10 +3,13 @@
 A number is only reproducible with the machine and software that produced it, so every JSON
 file under ``results/`` carries :func:`environment`: GPU, SM count, clocks, driver, CUDA and
 tileiras, cuda-tile, torch, triton, mamba_ssm and tilegym versions, git revision and date.
+A recording of thousands of rows (the GPU tests') is stored gzipped, ``<name>.json.gz``: the
+repository travels to the GPU machine within a few MB (:func:`write_json`, :func:`read_json`).
 """
 from __future__ import annotations
 
 import datetime
+import gzip
 import json
 import platform
 import subprocess
@@ -90,11 +93,28 @@ def gpu_slug(env: dict) -> str:
 
 
 def write_json(path: Path | str, payload) -> Path:
-    """Write ``payload`` as JSON, one record to a line (see :func:`dumps`)."""
+    """Write ``payload`` as JSON, one record to a line (see :func:`dumps`); gzipped where the
+    name ends in ``.gz`` (no timestamp in the header: the same payload, the same bytes)."""
     path = Path(path)  # --out arguments arrive as strings
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(payload) + "\n")
+    text = dumps(payload) + "\n"
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
     return path
+
+
+def read_json(path: Path | str):
+    """The JSON at ``path``, gunzipped where the name ends in ``.gz``."""
+    path = Path(path)
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def recording_name(path: Path) -> str:
+    """A recording's name: its file name without ``.json`` or ``.json.gz``."""
+    return path.name.removesuffix(".gz").removesuffix(".json")
 
 
 def pack_rows(rows: list[dict], digits: int = 4) -> list[dict]:

@@ -11,10 +11,15 @@
   initial state required, sequence length a multiple of the chunk size. Autotuning is on
   unless ``TILEGYM_DISABLE_AUTOTUNE=1`` is set before the first call; :func:`tilegym_replaying`
   replays a recorded tuning run's choices instead of searching again.
+* TileGym's cuTile Mamba-2 backward, ``mamba2_chunk_backward(x, a, b, c, d, dt, init_state,
+  dout, dfinal_state, chunk_size)`` -> (dx, da, db, dc, dd, ddt, dinit_state), which TileGym
+  wraps in no ``torch.autograd.Function``: :func:`tilegym_training_adapter` does, behind the
+  signature of ``mamba_chunk_scan_combined``.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -26,7 +31,8 @@ from ..mamba_ssm_loader import (PeerUnavailable, mamba_ssm_forward, mamba_ssm_mo
 __all__ = ["PeerUnavailable", "mamba_ssm_forward", "mamba_ssm_state_update", "MAMBA2_MODULE",
            "mamba_ssm_mixer", "mamba_ssm_mixer_ssd", "retune_mamba_ssm", "mamba_ssm_configs",
            "tilegym_configs", "tilegym_replaying", "mamba_ssm_version", "tilegym_forward",
-           "tilegym_adapter"]
+           "tilegym_adapter", "tilegym_backward", "tilegym_autotune", "retune_tilegym",
+           "tilegym_training_adapter", "TILEGYM_CHUNK"]
 
 
 #: mamba_ssm's Mamba-2 module, the peer of the whole layer.
@@ -137,17 +143,40 @@ def mamba_ssm_configs() -> dict:
             for name, tuner in _mamba_ssm_autotuners() if tuner.cache}
 
 
-def tilegym_configs() -> dict:
-    """kernel -> [chosen configuration, as a string] for every TileGym Mamba-2 kernel that has
-    chosen one in this process (tuned, or its untuned first configuration): the module keeps
-    one ``_<kernel>_tune_cache`` dict per kernel whose values start with the configuration.
-    Empty when TileGym was never imported."""
+def _tilegym_caches() -> dict:
+    """kernel -> its ``_<kernel>_tune_cache`` dict in TileGym's Mamba-2 module (empty when
+    TileGym was never imported): each key ends with whether autotuning was disabled, each
+    value starts with the configuration chosen."""
     module = sys.modules.get("tilegym.ops.cutile.mamba2")
     if module is None:
         return {}
-    return {name.removeprefix("_").removesuffix("_tune_cache"): [str(v[0]) for v in cache.values()]
+    return {name.removeprefix("_").removesuffix("_tune_cache"): cache
             for name, cache in vars(module).items()
-            if name.endswith("_tune_cache") and isinstance(cache, dict) and cache}
+            if name.endswith("_tune_cache") and isinstance(cache, dict)}
+
+
+def tilegym_configs(tuned=None) -> dict:
+    """kernel -> [chosen configuration, as a string] for every TileGym Mamba-2 kernel that has
+    chosen one in this process: tuned ones (``tuned=True``), untuned ones, its first candidate
+    (``tuned=False``), or both (None). Empty when TileGym was never imported."""
+    out = {}
+    for name, cache in _tilegym_caches().items():
+        chosen = [str(v[0]) for k, v in cache.items() if tuned is None or k[-1] is not tuned]
+        if chosen:
+            out[name] = chosen
+    return out
+
+
+def retune_tilegym() -> int:
+    """Forget every configuration TileGym's Mamba-2 kernels have chosen in this process (its
+    caches are keyed by shape, so this only matters for recording them): what
+    :func:`tilegym_configs` returns next is the next shape's. Returns how many were reset."""
+    reset = 0
+    for cache in _tilegym_caches().values():
+        if cache:
+            cache.clear()
+            reset += 1
+    return reset
 
 
 @contextlib.contextmanager
@@ -224,5 +253,127 @@ def tilegym_adapter(forward=None):
         if initial_states is None:
             initial_states = torch.zeros(b, h, p, B.shape[-1], device=x.device, dtype=torch.float32)
         return forward(x, A, B, C, D, dt, initial_states, chunk_size)
+
+    return run
+
+
+#: TileGym's default chunk size, the one the suites run it at.
+TILEGYM_CHUNK = 64
+#: The switch TileGym reads at each call (its caches are keyed by it as well).
+TILEGYM_AUTOTUNE_ENV = "TILEGYM_DISABLE_AUTOTUNE"
+
+
+def tilegym_backward():
+    """Return TileGym's cuTile ``(mamba2_chunk_forward, mamba2_chunk_backward)``."""
+    try:
+        from tilegym.ops.cutile.mamba2 import mamba2_chunk_backward, mamba2_chunk_forward
+    except Exception as exc:  # tilegym imports much at package level; any failure means absent
+        raise PeerUnavailable(f"TileGym's cuTile Mamba-2 backward is unavailable: `pip install "
+                              f"tilegym` ({type(exc).__name__}: {exc})") from exc
+    return mamba2_chunk_forward, mamba2_chunk_backward
+
+
+@contextlib.contextmanager
+def tilegym_autotune(tuned: bool):
+    """Within the block TileGym autotunes (``tuned``: an exhaustive search over its candidates
+    at a kernel's first call of a shape) or takes each kernel's first candidate; the variable is
+    restored after. TileGym reads it at every call and keys its caches by it, so untuned and
+    tuned configurations live side by side in one process."""
+    saved = os.environ.get(TILEGYM_AUTOTUNE_ENV)
+    os.environ[TILEGYM_AUTOTUNE_ENV] = "0" if tuned else "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[TILEGYM_AUTOTUNE_ENV]
+        else:
+            os.environ[TILEGYM_AUTOTUNE_ENV] = saved
+
+
+@functools.cache
+def _tilegym_function():
+    """The ``torch.autograd.Function`` around TileGym's forward and backward (made once)."""
+    import torch
+
+    class TileGymSSD(torch.autograd.Function):
+        """x (b, l, h, p), dt' (b, l, h) positive, A (h,), B and C (b, l, g, n), D (h,),
+        init_state (b, h, p, n) fp32 -> y (b, l, h, p), final_state (b, h, p, n)."""
+
+        @staticmethod
+        def forward(ctx, x, dt, A, B, C, D, init, chunk_size, kernels, tuned):
+            with tilegym_autotune(tuned):
+                y, final = kernels[0](x, A, B, C, D, dt, init, chunk_size)
+            # the inputs only: TileGym's backward takes them and recomputes the rest
+            ctx.save_for_backward(x, dt, A, B, C, D, init)
+            ctx.chunk_size, ctx.kernels, ctx.tuned = chunk_size, kernels, tuned
+            return y, final
+
+        @staticmethod
+        def backward(ctx, dy, dfinal):
+            saved = ctx.saved_tensors
+            x, dt, A, B, C, D, init = saved
+            with tilegym_autotune(ctx.tuned):
+                dx, dA, dB, dC, dD, ddt, dinit = ctx.kernels[1](
+                    x, A, B, C, D, dt, init, dy.contiguous(), dfinal.contiguous(), ctx.chunk_size)
+            grads = (dx, ddt, dA, dB, dC, dD, dinit)
+            return tuple(g.to(t.dtype) for g, t in zip(grads, saved)) + (None, None, None)
+
+    return TileGymSSD
+
+
+def tilegym_training_adapter(tuned=False, kernels=None):
+    """TileGym's cuTile forward and backward behind the signature of mamba_ssm's
+    ``mamba_chunk_scan_combined`` (x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
+    initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
+    dt_limit=(0, inf), return_final_states=False), differentiable: returns y (b, l, h, p), or
+    (y, final_states (b, h, p, n) fp32) with ``return_final_states``.
+
+    What runs: dt' = softplus(dt + dt_bias) (or dt + dt_bias, or dt) in PyTorch, in fp32, then
+    rounded to dt's dtype as TileGym takes it (as the forward suite passes it); autograd
+    differentiates those ops, which count in any time taken of the call. Then one
+    ``torch.autograd.Function`` whose forward calls
+    ``tilegym.ops.cutile.mamba2.mamba2_chunk_forward(x, A, B, C, D, dt', init_state,
+    chunk_size)`` and saves its inputs only, and whose backward calls
+    ``mamba2_chunk_backward(x, A, B, C, D, dt', init_state, dy, dfinal_state, chunk_size)``
+    (state_dtype fp32, its default), which recomputes the chunk cumsum and the chunk-entry
+    states itself (its ``_chunk_cumsum`` and ``_fwd_pass_state_dual``) before the state
+    gradients and dx, dD, dA, dB, dC, ddt; nothing of the forward's is reused. D absent: zeros
+    (h,); initial_states absent: zeros (b, h, p, n) fp32 (their gradients then go nowhere).
+    ``tuned``: each call inside :func:`tilegym_autotune`.
+
+    Raises:
+        PeerUnavailable: TileGym is missing, or the call needs what TileGym's Mamba-2 lacks:
+            z, seq_idx, cu_seqlens, D of shape (h, p), a dt_limit clamp, or a sequence length
+            that is not a multiple of ``chunk_size``; the message names it.
+    """
+    kernels = kernels or tilegym_backward()
+
+    def run(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+            seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+            return_final_states=False):
+        import torch
+
+        lacks = [name for name, given in (("z (the gate)", z is not None),
+                                          ("seq_idx (packed sequences)", seq_idx is not None),
+                                          ("cu_seqlens", cu_seqlens is not None),
+                                          ("D per head and channel (h, p)",
+                                           D is not None and D.dim() != 1),
+                                          ("dt_limit", tuple(dt_limit) != (0.0, float("inf"))))
+                 if given]
+        b, l, h, p = x.shape
+        if l % chunk_size:
+            lacks.append(f"seqlen % chunk_size != 0 ({l} % {chunk_size})")
+        if lacks:
+            raise PeerUnavailable(f"TileGym's Mamba-2 takes no {', '.join(lacks)}")
+        step = dt.float() + dt_bias if dt_bias is not None else dt.float()
+        step = torch.nn.functional.softplus(step) if dt_softplus else step
+        if D is None:
+            D = torch.zeros(h, device=x.device, dtype=torch.float32)
+        if initial_states is None:
+            initial_states = torch.zeros(b, h, p, B.shape[-1], device=x.device,
+                                         dtype=torch.float32)
+        y, final = _tilegym_function().apply(x, step.to(dt.dtype), A, B, C, D, initial_states,
+                                             chunk_size, kernels, tuned)
+        return (y, final) if return_final_states else y
 
     return run

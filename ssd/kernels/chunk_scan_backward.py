@@ -1,0 +1,551 @@
+"""The backward of stage 4, chunk_scan: the gradients of its output's SSM part, in cuTile.
+
+For chunk c of head h (its group's B and C), rows t and columns s of the chunk, a = dA_cumsum
+and P_c = prev_states[c], the forward (:mod:`ssd.kernels.chunk_scan`) computes::
+
+    y[t]    = sum_{s <= t} W[t, s] x[s]  +  e^{a[t]} C[t] . P_c
+    W[t, s] = (C[t] . B[s]) e^{a[t] - a[s]} dt'[s]       0 outside causal, same-sequence pairs
+
+With dW[t, s] = dy[t] . x[s] and dM[t, s] = dW[t, s] e^{a[t] - a[s]} dt'[s] (the derivation is
+``ssd.reference_backward``'s; :func:`ssd.backward.chunk_scan_backward_torch` is the same in
+PyTorch, and the contract this module keeps)::
+
+    dx[s]   = sum_t W[t, s] dy[t]                        the transposed (anti-causal) product
+    dB[s]   = sum_t dM[t, s] C[t]                        summed over the group's heads
+    dC[t]   = sum_s dM[t, s] B[s] + e^{a[t]} dy[t] P_c   summed over the group's heads
+    ddt'[s] = sum_t dW[t, s] (C[t] . B[s]) e^{a[t] - a[s]}
+    da[k]   = sum_s dW[k, s] W[k, s] - sum_t dW[t, k] W[t, k] + e^{a[k]} dy[k] . (P_c C[k])
+    dP_c    = sum_t e^{a[t]} dy[t]ᵀ C[t]                 a chunk_state of (dy, C), decays from
+                                                         the chunk's start
+
+Three kernels, each with one job:
+
+1. ``columns``: a block owns one ``block_q`` column block s of one chunk and walks the row
+   blocks t >= s (the diagonal tile and those below it): dx, ddt_out, dB and the column part of
+   ddA_cumsum (- sum_t dW W), which it stores.
+2. ``rows`` (after ``columns``): a block owns one row block t and walks the column blocks
+   s <= t: dC (both terms) and the row and entering-state parts of ddA_cumsum, added to the
+   column part ``columns`` stored; with z it also rebuilds y's SSM part (one more MMA a tile),
+   which the gate's gradient needs.
+3. ``states``: dprev_states, one (chunk, head, ``block_n`` state columns) per block.
+
+A (column or row) block walks the heads of its group in order and keeps dB (dC) in registers
+across them, so the sum over a group's heads needs neither atomics nor a per-head buffer: every
+output element is written by one block, in a fixed order, and reruns are bitwise identical.
+The tiles C Bᵀ, dW and the decays live only in registers, as in the forward: no (q x q) matrix
+reaches memory. MMA operands are rounded to x's dtype (as the forward rounds its weights),
+accumulation and the elementwise gradients (ddt_out, ddA_cumsum) are fp32.
+
+Padded tails (l % q != 0): loads past the sequence read zeros (dy = x = 0 there, so every
+term vanishes), tiles wholly past it are skipped, and ``columns`` writes ddt_out and ddA_cumsum
+of such tiles as zeros: every element of every output is written.
+
+The gate and skip connection (D, z) are elementwise and stay in PyTorch around the kernels
+(:func:`chunk_scan_backward_cutile`, the drop-in for ``chunk_scan_backward_torch``).
+"""
+import functools
+
+import cuda.tile as ct
+
+from ..config import ScanBackwardConfig, next_pow2
+from ..launch import array_type, index_dtype_for, launch, optional
+from .tiles import ConstBool, ConstInt, LOG2E, ZERO
+
+#: The kernels hold a whole head's channels in one tile (and the state's width, up to
+#: ``ssd.api.MAX_DSTATE``).
+MAX_HEADDIM = 256
+
+
+# --------------------------------------------------------------------------------------------
+# Tile code shared by the kernels
+# --------------------------------------------------------------------------------------------
+
+
+def rows_of(arr, ib, l_tile, i2, i3, BLOCK, WIDTH, dtype):
+    """Tile code: rows ``l_tile*BLOCK ...`` of entry ``i2`` (a head or a group) of a (b, l, *, w)
+    array, columns ``i3*WIDTH ...``, [BLOCK, WIDTH] in ``dtype``; zeros past the array's ends."""
+    t = ct.load(arr, index=(ib, l_tile, i2, i3), shape=(1, BLOCK, 1, WIDTH), padding_mode=ZERO)
+    return t.reshape((BLOCK, WIDTH)).astype(dtype)
+
+
+def chunk_row(arr, ib, ih, ic, j, BLOCK):
+    """Tile code: positions ``j*BLOCK ...`` of chunk ``ic``, head ``ih`` of a (b, h, c, q) fp32
+    array, [BLOCK]."""
+    return ct.load(arr, index=(ib, ih, ic, j), shape=(1, 1, 1, BLOCK)).reshape((BLOCK,))
+
+
+def sequence_ids(seq_idx, ib, l_tile, BLOCK):
+    """Tile code: [BLOCK] seq_idx of rows ``l_tile*BLOCK ...`` (0 past the sequence end, where
+    dy and x are 0 and the mask decides nothing)."""
+    return ct.load(seq_idx, index=(ib, l_tile), shape=(1, BLOCK),
+                   padding_mode=ZERO).reshape((BLOCK,))
+
+
+def entering_sequence(seq_last, ib, ic):
+    """Tile code: [1] the sequence running when chunk ``ic`` starts, whose state enters it (0
+    before the first chunk)."""
+    prev = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
+    return ct.where(ic > 0, prev.reshape((1,)), 0)
+
+
+def positions(j, BLOCK_Q):
+    """Tile code: [BLOCK_Q] positions in the chunk of its block ``j``."""
+    return j * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
+
+
+def pair_keep(t_pos, s_pos, seq_t, seq_s, HAS_SEQ):
+    """Tile code: True where row t takes column s: s <= t and, with HAS_SEQ, one sequence.
+    Positions and sequence ids come shaped to broadcast ([T, 1] and [1, S], or the transpose),
+    so that one function serves both orientations. The causal part only bites on the diagonal
+    tile; it is applied to every tile for one code path."""
+    keep = t_pos >= s_pos
+    if HAS_SEQ:
+        keep = keep & (seq_t == seq_s)
+    return keep
+
+
+def masked_decay(seg, keep):
+    """Tile code: e^seg (``seg`` = a_t - a_s) where ``keep``, exactly 0 elsewhere. The difference
+    is taken before the scaling to log2 units, so that its rounding is relative to the difference
+    and not to dA_cumsum, which grows along the chunk. The exponent is masked, not the product:
+    above the diagonal a_t - a_s > 0 and its exp2 could overflow to inf, and inf * 0 = NaN.
+    Decays below 2^-126 flush to zero (invisible in the fp32 sums, as in the forward)."""
+    return ct.exp2(ct.where(keep, seg * LOG2E, -float("inf")), flush_to_zero=True)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. columns: dx, ddt_out, dB and the column part of ddA_cumsum
+# --------------------------------------------------------------------------------------------
+
+
+def column_block(ib, ic, ig, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB, ddt_out,
+                 ddA_cumsum, seqlen, heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ):
+    """Tile code: column block ``js`` of chunk ``ic`` (batch row ``ib``) for every head of group
+    ``ig``: stores dx [S, P] and ddt_out, ddA_cumsum (its column part) [S] per head and dB
+    [S, N] summed over the heads."""
+    q_tiles = Q // BLOCK_Q
+    cols = ic * q_tiles + js  # the column block, in BLOCK_Q tiles of the sequence
+    if ic * Q + js * BLOCK_Q < seqlen:
+        b_s = rows_of(B, ib, cols, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [S, N]
+        seq_s = ct.zeros((BLOCK_Q,), dtype=ct.int32)  # unread without HAS_SEQ
+        if HAS_SEQ:
+            seq_s = sequence_ids(seq_idx, ib, cols, BLOCK_Q)
+        # row blocks up to the last one holding a position of the sequence (a tile wholly past
+        # its end is undefined for load)
+        t_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_Q)
+        db = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [S, N], the group's heads summed
+        for j in range(heads_per_group):
+            ih = ig * heads_per_group + j
+            a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q)  # [S]
+            dt_s = chunk_row(dt_out, ib, ih, ic, js, BLOCK_Q)  # [S]
+            x_s = rows_of(x, ib, cols, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [S, P]
+            dxs = ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32)  # [S, P]
+            ddt = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
+            dda = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
+            for it in range(js, t_end):  # rows t >= s: the diagonal tile, then those below it
+                rows = ic * q_tiles + it
+                c_t = rows_of(C, ib, rows, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [T, N]
+                dy_t = rows_of(dy, ib, rows, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [T, P]
+                a_t = chunk_row(dA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T]
+                seq_t = seq_s
+                if HAS_SEQ:
+                    seq_t = sequence_ids(seq_idx, ib, rows, BLOCK_Q)
+                # Tiles [S, T], columns of the chunk first: the MMAs below then take them as
+                # they are, where the [T, S] tiles would need a transpose in registers.
+                keep = pair_keep(positions(it, BLOCK_Q)[None, :], positions(js, BLOCK_Q)[:, None],
+                                 seq_t[None, :], seq_s[:, None], HAS_SEQ)
+                decay = masked_decay(a_t[None, :] - a_s[:, None], keep)  # [S, T]
+                zero = ct.zeros((BLOCK_Q, BLOCK_Q), dtype=ct.float32)
+                cbl = ct.mma(b_s, ct.transpose(c_t), zero) * decay  # [S, T] (C_t . B_s) L
+                dw = ct.mma(x_s, ct.transpose(dy_t), zero)  # [S, T] dW = dy_t . x_s
+                w = cbl * dt_s[:, None]  # [S, T] the forward's weights
+                dxs = ct.mma(w.astype(x.dtype), dy_t, dxs)  # [S, P] += Wᵀ dy
+                ddt = ddt + ct.sum(dw * cbl, axis=1)  # [S]
+                # the exponent a_t - a_s: dW W goes to column s with a minus sign
+                dda = dda - ct.sum(dw * w, axis=1)  # [S]
+                dm = dw * decay * dt_s[:, None]  # [S, T] dM of this head
+                db = ct.mma(dm.astype(x.dtype), c_t, db)  # [S, N] += dMᵀ C
+            ct.store(dx, index=(ib, cols, ih, 0), tile=dxs.reshape((1, BLOCK_Q, 1, P_PAD)))
+            ct.store(ddt_out, index=(ib, ih, ic, js), tile=ddt.reshape((1, 1, 1, BLOCK_Q)))
+            ct.store(ddA_cumsum, index=(ib, ih, ic, js), tile=dda.reshape((1, 1, 1, BLOCK_Q)))
+        ct.store(dB, index=(ib, cols, ig, 0), tile=db.reshape((1, BLOCK_Q, 1, N_PAD)))
+    else:  # wholly past the sequence end: the (b, h, c, q) gradients are 0 there
+        nothing = ct.zeros((1, 1, 1, BLOCK_Q), dtype=ct.float32)
+        for j in range(heads_per_group):
+            ih = ig * heads_per_group + j
+            ct.store(ddt_out, index=(ib, ih, ic, js), tile=nothing)
+            ct.store(ddA_cumsum, index=(ib, ih, ic, js), tile=nothing)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. rows: dC, the row and entering-state parts of ddA_cumsum, y's SSM part with z
+# --------------------------------------------------------------------------------------------
+
+
+def row_block(ib, ic, ig, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_idx, seq_last, dC,
+              ddA_cumsum, y_ssm, seqlen, heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ,
+              REBUILD_Y):
+    """Tile code: row block ``it`` of chunk ``ic`` (batch row ``ib``) for every head of group
+    ``ig``: adds the row and entering-state parts of ddA_cumsum [T] to the column part stored
+    by ``columns``, per head; stores dC [T, N] summed over the heads and, REBUILD_Y, y_ssm
+    [T, P] per head. A tile wholly past the sequence end is left alone (``columns`` wrote its
+    ddA_cumsum: zeros)."""
+    q_tiles = Q // BLOCK_Q
+    rows = ic * q_tiles + it  # the row block, in BLOCK_Q tiles of the sequence
+    if ic * Q + it * BLOCK_Q < seqlen:
+        c_t = rows_of(C, ib, rows, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [T, N]
+        seq_t = ct.zeros((BLOCK_Q,), dtype=ct.int32)  # unread without HAS_SEQ
+        if HAS_SEQ:
+            seq_t = sequence_ids(seq_idx, ib, rows, BLOCK_Q)
+            enters = seq_t == entering_sequence(seq_last, ib, ic)  # [T] t continues the
+            # sequence whose state enters the chunk
+        dc = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [T, N], the group's heads summed
+        for j in range(heads_per_group):
+            ih = ig * heads_per_group + j
+            a_t = chunk_row(dA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T]
+            dy_f = rows_of(dy, ib, rows, ih, 0, BLOCK_Q, P_PAD, ct.float32)  # [T, P]
+            dy_t = dy_f.astype(x.dtype)  # the MMA operand
+
+            # The entering state's term e^{a_t} C_t . P_c: dC_t += e^{a_t} dy_t P_c and
+            # da_t += e^{a_t} dy_t . (C_t P_cᵀ)
+            decay_in = ct.exp2(a_t * LOG2E)  # [T], <= 1 (a_t <= 0)
+            if HAS_SEQ:
+                decay_in = ct.where(enters, decay_in, 0.0)
+            prev = ct.load(prev_states, index=(ib, ic, ih, 0, 0), shape=(1, 1, 1, P_PAD, N_PAD),
+                           padding_mode=ZERO).reshape((P_PAD, N_PAD)).astype(x.dtype)  # [P, N]
+            cp = ct.mma(c_t, ct.transpose(prev), ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32))
+            dda = decay_in * ct.sum(dy_f * cp, axis=1)  # [T]
+            dy_in = (dy_f * decay_in[:, None]).astype(x.dtype)  # [T, P]
+            dc = ct.mma(dy_in, prev, dc)  # [T, N]
+            if REBUILD_Y:
+                y = cp * decay_in[:, None]  # [T, P] y's entering-state part
+
+            # The diagonal block: column blocks up to the row block's own (all in the sequence)
+            for js in range(it + 1):
+                cols = ic * q_tiles + js
+                b_s = rows_of(B, ib, cols, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [S, N]
+                x_s = rows_of(x, ib, cols, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [S, P]
+                a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q)  # [S]
+                dt_s = chunk_row(dt_out, ib, ih, ic, js, BLOCK_Q)  # [S]
+                seq_s = seq_t
+                if HAS_SEQ:
+                    seq_s = sequence_ids(seq_idx, ib, cols, BLOCK_Q)
+                keep = pair_keep(positions(it, BLOCK_Q)[:, None], positions(js, BLOCK_Q)[None, :],
+                                 seq_t[:, None], seq_s[None, :], HAS_SEQ)
+                decay = masked_decay(a_t[:, None] - a_s[None, :], keep)  # [T, S]
+                zero = ct.zeros((BLOCK_Q, BLOCK_Q), dtype=ct.float32)
+                cb = ct.mma(c_t, ct.transpose(b_s), zero)  # [T, S] C_t . B_s
+                dw = ct.mma(dy_t, ct.transpose(x_s), zero)  # [T, S] dW = dy_t . x_s
+                ldt = decay * dt_s[None, :]  # [T, S]
+                dm = dw * ldt  # [T, S] dM of this head
+                # the exponent a_t - a_s: dW W = dM (C Bᵀ) goes to row t with a plus sign
+                dda = dda + ct.sum(dm * cb, axis=1)  # [T]
+                dc = ct.mma(dm.astype(x.dtype), b_s, dc)  # [T, N] += dM B
+                if REBUILD_Y:
+                    y = ct.mma((cb * ldt).astype(x.dtype), x_s, y)  # [T, P] += W x
+
+            col = chunk_row(ddA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T] the column part
+            ct.store(ddA_cumsum, index=(ib, ih, ic, it),
+                     tile=(col + dda).reshape((1, 1, 1, BLOCK_Q)))
+            if REBUILD_Y:
+                ct.store(y_ssm, index=(ib, rows, ih, 0), tile=y.reshape((1, BLOCK_Q, 1, P_PAD)))
+        ct.store(dC, index=(ib, rows, ig, 0), tile=dc.reshape((1, BLOCK_Q, 1, N_PAD)))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. states: dprev_states, a chunk_state of (dy, C) with decays from the chunk's start
+# --------------------------------------------------------------------------------------------
+
+
+def entering_gradient(ib, ic, ih, jn, dy, C, dA_cumsum, seq_idx, seq_last, dprev_states, seqlen,
+                      heads_per_group, Q, BLOCK_K, P_PAD, BLOCK_N, HAS_SEQ):
+    """Tile code: dprev_states [P, N] of chunk ``ic``, head ``ih``, state columns
+    ``jn*BLOCK_N ...``: sum_t e^{a_t} dy_tᵀ C_t over the rows t that continue the entering
+    sequence, ``BLOCK_K`` rows a step (the K loop of one MMA)."""
+    ig = ih // heads_per_group
+    prev_seq = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ
+    if HAS_SEQ:
+        prev_seq = entering_sequence(seq_last, ib, ic)
+    k_tiles = Q // BLOCK_K
+    acc = ct.zeros((P_PAD, BLOCK_N), dtype=ct.float32)  # [P, N]
+    for kk in range(ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)):  # K blocks in the sequence
+        rows = ic * k_tiles + kk
+        dy_k = rows_of(dy, ib, rows, ih, 0, BLOCK_K, P_PAD, C.dtype)  # [K, P]
+        c_k = rows_of(C, ib, rows, ig, jn, BLOCK_K, BLOCK_N, ct.float32)  # [K, N]
+        w = ct.exp2(chunk_row(dA_cumsum, ib, ih, ic, kk, BLOCK_K) * LOG2E)  # [K], <= 1
+        if HAS_SEQ:
+            w = ct.where(sequence_ids(seq_idx, ib, rows, BLOCK_K) == prev_seq, w, 0.0)
+        # Fold the decay into C in fp32, round once to the MMA's dtype.
+        acc = ct.mma(ct.transpose(dy_k), (c_k * w[:, None]).astype(C.dtype), acc)  # [P, N]
+    ct.store(dprev_states, index=(ib, ic, ih, 0, jn), tile=acc.reshape((1, 1, 1, P_PAD, BLOCK_N)))
+
+
+@functools.lru_cache(maxsize=None)
+def build_kernels(index_dtype=ct.int32, occupancy=None):
+    """The three kernels (columns, rows, states) for one index width and occupancy hint."""
+    Array = array_type(index_dtype)
+
+    @ct.kernel(occupancy=occupancy)
+    def chunk_scan_backward_columns_kernel(
+        x: Array,           # (b, l, h, p)
+        B: Array,           # (b, l, g, n), x's dtype
+        C: Array,           # (b, l, g, n), x's dtype
+        dy: Array,          # (b, l, h, p) gradient of y's SSM part, any float dtype
+        dt_out: Array,      # (b, h, c, q) fp32
+        dA_cumsum: Array,   # (b, h, c, q) fp32
+        seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
+        dx: Array,          # (b, l, h, p) fp32 out
+        dB: Array,          # (b, l, g, n) fp32 out
+        ddt_out: Array,     # (b, h, c, q) fp32 out
+        ddA_cumsum: Array,  # (b, h, c, q) fp32 out: the column part
+        seqlen: int,
+        nchunks: int,
+        heads_per_group: int,
+        Q: ConstInt,
+        BLOCK_Q: ConstInt,
+        P_PAD: ConstInt,
+        N_PAD: ConstInt,
+        HAS_SEQ: ConstBool,
+    ):
+        """Grid: (b * c, g, q / BLOCK_Q), one column block of one chunk and group a block."""
+        column_block(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), x, B, C, dy,
+                     dt_out, dA_cumsum, seq_idx, dx, dB, ddt_out, ddA_cumsum, seqlen,
+                     heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ)
+
+    @ct.kernel(occupancy=occupancy)
+    def chunk_scan_backward_rows_kernel(
+        x: Array,            # (b, l, h, p)
+        B: Array,            # (b, l, g, n), x's dtype
+        C: Array,            # (b, l, g, n), x's dtype
+        dy: Array,           # (b, l, h, p) gradient of y's SSM part, any float dtype
+        dt_out: Array,       # (b, h, c, q) fp32
+        dA_cumsum: Array,    # (b, h, c, q) fp32
+        prev_states: Array,  # (b, c, h, p, n) the entering states, any float dtype
+        seq_idx: Array,      # (b, l) int32 (ignored unless HAS_SEQ)
+        seq_last: Array,     # (b, c) int32: seq_idx at each chunk's last valid position
+        dC: Array,           # (b, l, g, n) fp32 out
+        ddA_cumsum: Array,   # (b, h, c, q) fp32 in: the column part; out: the whole
+        y_ssm: Array,        # (b, l, h, p) fp32 out (ignored unless REBUILD_Y)
+        seqlen: int,
+        nchunks: int,
+        heads_per_group: int,
+        Q: ConstInt,
+        BLOCK_Q: ConstInt,
+        P_PAD: ConstInt,
+        N_PAD: ConstInt,
+        HAS_SEQ: ConstBool,
+        REBUILD_Y: ConstBool,
+    ):
+        """Grid: (b * c, g, q / BLOCK_Q), one row block of one chunk and group a block; after
+        the columns kernel, whose ddA_cumsum it completes."""
+        row_block(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), x, B, C, dy,
+                  dt_out, dA_cumsum, prev_states, seq_idx, seq_last, dC, ddA_cumsum, y_ssm, seqlen,
+                  heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, REBUILD_Y)
+
+    @ct.kernel(occupancy=occupancy)
+    def chunk_scan_backward_states_kernel(
+        dy: Array,            # (b, l, h, p) gradient of y's SSM part, any float dtype
+        C: Array,             # (b, l, g, n), x's dtype (the MMA's)
+        dA_cumsum: Array,     # (b, h, c, q) fp32
+        seq_idx: Array,       # (b, l) int32 (ignored unless HAS_SEQ)
+        seq_last: Array,      # (b, c) int32
+        dprev_states: Array,  # (b, c, h, p, n) fp32 out
+        seqlen: int,
+        nchunks: int,
+        heads_per_group: int,
+        Q: ConstInt,
+        BLOCK_K: ConstInt,
+        P_PAD: ConstInt,
+        BLOCK_N: ConstInt,
+        HAS_SEQ: ConstBool,
+    ):
+        """Grid: (b * c, h, cdiv(n, BLOCK_N)), one chunk, head and slice of the state a block."""
+        entering_gradient(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), dy, C,
+                          dA_cumsum, seq_idx, seq_last, dprev_states, seqlen, heads_per_group, Q,
+                          BLOCK_K, P_PAD, BLOCK_N, HAS_SEQ)
+
+    return (chunk_scan_backward_columns_kernel, chunk_scan_backward_rows_kernel,
+            chunk_scan_backward_states_kernel)
+
+
+# --------------------------------------------------------------------------------------------
+# Host side
+# --------------------------------------------------------------------------------------------
+
+
+def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=None, seq_last=None,
+                        config: ScanBackwardConfig = ScanBackwardConfig(), rebuild_y=False):
+    """Launch the three kernels: the gradients of chunk_scan's SSM part (no D, no z).
+
+    Args:
+        dy: (b, l, h, p) gradient of y's SSM part, fp32, bf16 or fp16.
+        B, C: (b, l, g, n) in x's dtype; x: (b, l, h, p) fp32, bf16 or fp16.
+        dt_out, dA_cumsum: (b, h, c, q) fp32; prev_states: (b, c, h, p, n), fp32, bf16 or fp16.
+        seq_idx: optional (b, l) int32; seq_last: its (b, c) int32 value at each chunk's last
+            valid position (:func:`ssd.api.chunk_seq_last`; None computes it).
+        config: the tiles, fitted to the problem and x's dtype here
+            (:meth:`ScanBackwardConfig.for_problem`).
+        rebuild_y: also return y's SSM part, y_ssm (b, l, h, p) fp32 (the gate's gradient reads
+            it).
+    Returns:
+        dict of fp32 tensors: dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
+        (b, h, c, q), dprev_states (b, c, h, p, n), and with rebuild_y y_ssm (b, l, h, p).
+    """
+    import torch
+
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    _, _, nchunks, q = dt_out.shape
+    dev, f = x.device, torch.float32
+    config = config.for_problem(q, n, x.dtype)
+    out = dict(dB=torch.empty((b, l, g, n), dtype=f, device=dev),
+               dC=torch.empty((b, l, g, n), dtype=f, device=dev),
+               dx=torch.empty((b, l, h, p), dtype=f, device=dev),
+               ddt_out=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
+               ddA_cumsum=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
+               dprev_states=torch.empty((b, nchunks, h, p, n), dtype=f, device=dev))
+    y_ssm = torch.empty((b, l, h, p), dtype=f, device=dev) if rebuild_y else None
+    has_seq = seq_idx is not None
+    if has_seq and seq_last is None:
+        from ..api import chunk_seq_last
+
+        seq_last = chunk_seq_last(seq_idx, q)
+    seq_idx = optional(seq_idx, 2, torch.int32, dev)
+    seq_last = optional(seq_last, 2, torch.int32, dev)
+    columns, rows, states = build_kernels(
+        index_dtype_for(x, dy, B, C, prev_states, *out.values()), config.occupancy)
+    sizes = dict(seqlen=l, nchunks=nchunks, heads_per_group=h // g, Q=q, P_PAD=next_pow2(p),
+                 HAS_SEQ=has_seq)
+    diagonal = dict(x=x, B=B, C=C, dy=dy, dt_out=dt_out, dA_cumsum=dA_cumsum, seq_idx=seq_idx,
+                    ddA_cumsum=out["ddA_cumsum"], BLOCK_Q=config.block_q, N_PAD=next_pow2(n),
+                    **sizes)
+    grid = (b * nchunks, g, q // config.block_q)
+    launch(columns, grid, dict(dx=out["dx"], dB=out["dB"], ddt_out=out["ddt_out"], **diagonal),
+           device=dev)
+    # after columns, on the same stream: rows adds to the ddA_cumsum columns stored
+    launch(rows, grid, dict(prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
+                            y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, **diagonal),
+           device=dev)
+    launch(states, (b * nchunks, h, -(-n // config.block_n)), dict(
+        dy=dy, C=C, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,
+        dprev_states=out["dprev_states"], BLOCK_K=config.block_k, BLOCK_N=config.block_n,
+        **sizes), device=dev)
+    if rebuild_y:
+        out["y_ssm"] = y_ssm
+    return out
+
+
+def check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=None):
+    """Check the arguments of :func:`chunk_scan_backward_cutile`; return the sizes
+    (b, l, h, p, n, g, c, q). Raises ValueError naming the argument and what it expected."""
+    import torch
+
+    from ..api import CHUNK_SIZES, MAX_DSTATE
+    from ..reference import check_shapes
+
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    tensors = dict(dy=dy, B=B, C=C, x=x, dt_out=dt_out, dA_cumsum=dA_cumsum,
+                   prev_states=prev_states, D=D, z=z, seq_idx=seq_idx)
+    for name, t in tensors.items():
+        if t is None and name not in ("D", "z", "seq_idx"):
+            raise ValueError(f"{name}: expected a torch.Tensor, got None")
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, but x is on {x.device}; all inputs must "
+                             "share one CUDA device")
+        allowed = (torch.int32, torch.int64) if name == "seq_idx" else floats
+        if name in ("dt_out", "dA_cumsum"):
+            allowed = (torch.float32,)  # stage 1's outputs, as the forward stores them
+        if t.dtype not in allowed:
+            hint = (" (float64 is the PyTorch backward's: ssd.backward.chunk_scan_backward_torch)"
+                    if t.dtype == torch.float64 and name not in ("dt_out", "dA_cumsum") else "")
+            raise ValueError(f"{name}: dtype {t.dtype} is not supported; expected one of "
+                             f"{', '.join(str(d) for d in allowed)}{hint}")
+    if tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"dy: expected x's shape (b, l, h, p) = {tuple(x.shape)}, "
+                         f"got {tuple(dy.shape)}")
+    if dA_cumsum.dim() != 4 or dA_cumsum.shape[-1] not in CHUNK_SIZES:
+        raise ValueError(f"dA_cumsum: expected (b, h, c, q) with q a power of two in "
+                         f"{CHUNK_SIZES}, got {tuple(dA_cumsum.shape)}")
+    dims = check_shapes(chunk_size=int(dA_cumsum.shape[-1]), **{
+        name: None if t is None else tuple(t.shape)
+        for name, t in (("x", x), ("B", B), ("C", C), ("D", D), ("z", z), ("seq_idx", seq_idx),
+                        ("dt_out", dt_out), ("dA_cumsum", dA_cumsum),
+                        ("prev_states", prev_states))})
+    if dims["l"] < 1:
+        raise ValueError("x: expected a sequence of at least one position, got l = 0")
+    if dims["p"] > MAX_HEADDIM:
+        raise ValueError(f"x: headdim p={dims['p']} is larger than the {MAX_HEADDIM} the "
+                         "kernels hold in one tile")
+    if dims["n"] > MAX_DSTATE:
+        raise ValueError(f"B: dstate n={dims['n']} is larger than the {MAX_DSTATE} the kernels "
+                         "hold in one tile")
+    # The device last, so that every other error reads the same on any machine.
+    if x.device.type != "cuda":
+        raise ValueError(f"x: must be a CUDA tensor (got device {x.device}); on the CPU use "
+                         "ssd.backward.chunk_scan_backward_torch")
+    return dims
+
+
+def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None,
+                               seq_idx=None, *, config: ScanBackwardConfig | None = None):
+    """The backward of stage 4 with the cuTile kernels: ``chunk_scan_backward_torch``'s
+    arguments and result (its docstring), on a GPU.
+
+    The gate and skip (D, z) are elementwise and run in PyTorch around :func:`chunk_scan_backward`:
+    dy reaches the SSM part as dy silu(z) before the kernels, and the gate's gradient reads the
+    SSM part of y, which the rows kernel rebuilds (``rebuild_y``).
+
+    Args:
+        dy: (b, l, h, p) gradient of y; B, C: (b, l, g, n); x: (b, l, h, p); z: optional
+            (b, l, h, p): fp32, bf16 or fp16 (B and C are read in x's dtype).
+        dt_out, dA_cumsum: (b, h, c, q) fp32; prev_states: (b, c, h, p, n) fp32, bf16 or fp16;
+            D: optional (h,) or (h, p); seq_idx: optional (b, l) int32 or int64.
+        config: the kernels' tiles (None: :class:`ssd.config.ScanBackwardConfig`'s defaults).
+    Returns:
+        dict with dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
+        (b, h, c, q), dprev_states (b, c, h, p, n) and, where given, dD ((h,) or (h, p)) and
+        dz (b, l, h, p), all fp32 (the compute dtype); dB, dx, ddt_out and ddA_cumsum are this
+        stage's contributions.
+    Raises:
+        ValueError naming the argument, for a shape, dtype or device the kernels do not take.
+    """
+    import torch
+
+    from ..api import chunk_seq_last
+    from ..backward import _skip_and_gate_backward
+
+    dims = check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
+    f = torch.float32
+
+    def last_dim_contiguous(t):  # the kernels take strides, but the last one must be 1
+        return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+    x, dy, z, prev_states = map(last_dim_contiguous, (x, dy, z, prev_states))
+    B, C = (last_dim_contiguous(t.to(x.dtype)) for t in (B, C))
+    dt_out, dA_cumsum = map(last_dim_contiguous, (dt_out, dA_cumsum))
+    seq_last = None
+    if seq_idx is not None:
+        seq_last = chunk_seq_last(seq_idx, dims["q"])
+        seq_idx = seq_idx.to(torch.int32).contiguous()
+    # dy through the gate, dy silu(z): the product _skip_and_gate_backward forms below
+    zf = None if z is None else z.to(f)
+    dy_ssm = dy if z is None else dy.to(f) * zf * torch.sigmoid(zf)
+    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
+                              config or ScanBackwardConfig(), rebuild_y=z is not None)
+    if D is None and z is None:
+        return out
+    y_ssm = out.pop("y_ssm", None)
+    _, dx_skip, dD, dz = _skip_and_gate_backward(dy.to(f), lambda: y_ssm, x.to(f), D, z)
+    if dx_skip is not None:
+        out["dx"] += dx_skip
+    if dD is not None:
+        out["dD"] = dD
+    if dz is not None:
+        out["dz"] = dz
+    return out
+

@@ -1,0 +1,505 @@
+"""The cuTile kernels' tile code run on the CPU by tests/tile_emulator.py, against the float64
+PyTorch and NumPy references: every backward stage, the forward's stages in each layout (split
+and fused stage 2, the grouped walk, the fused scan, chunk_scan's tilings), the varlen states,
+the layer's conv, its decode step and norm, and the SSM decode step. Index arithmetic, masks, padding and which
+elements each kernel writes (outputs poisoned with NaN) are checked in CI without a GPU; the
+rounding of real MMAs, scheduling and speed are the GPU tests' (tests/test_gpu_*.py).
+
+Small shapes and few blocks (the emulator runs a block's Python body per block): the edge
+cases are l < q, l % q != 0, l = 1, several groups, packed sequences (seq_idx), with and without
+each optional input, tiles smaller than the chunk and the state.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("cuda.tile")
+
+import cuda.tile as ct  # noqa: E402
+
+import tile_emulator as emu  # noqa: E402
+from ssd import backward as TB  # noqa: E402
+from ssd.api import forward_stages  # noqa: E402
+from ssd import layer_reference as layer_ref  # noqa: E402
+from ssd.config import (Conv1dConfig, ConvStepConfig, CumsumBackwardConfig,  # noqa: E402
+                        GatedNormConfig, PassingBackwardConfig, ScanBackwardConfig,
+                        StateBackwardConfig, StateUpdateConfig, default_config)
+from ssd.kernels import causal_conv1d as CONV  # noqa: E402
+from ssd.kernels import chunk_cumsum_backward as CUMSUM  # noqa: E402
+from ssd.kernels import chunk_scan_backward as SCAN  # noqa: E402
+from ssd.kernels import chunk_state_backward as STATE  # noqa: E402
+from ssd.kernels import conv_step as STEP  # noqa: E402
+from ssd.kernels import gated_rmsnorm as NORM  # noqa: E402
+from ssd.kernels import state_passing_backward as PASSING  # noqa: E402
+from ssd.kernels import state_update as UPDATE  # noqa: E402
+from ssd.launch import capture  # noqa: E402
+from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
+from ssd.reference import check_shapes, chunk_state_varlen  # noqa: E402
+from ssd.reference import selective_state_update as reference_step  # noqa: E402
+from ssd.validate import poisoned_memory  # noqa: E402
+
+# fp32 arithmetic against float64 references of the same (fp32-rounded) inputs: the emulated
+# MMAs are exact, so what remains is fp32 rounding of elementwise terms and short sums.
+RTOL = 2e-5
+# fp16 MMA operands (weights, dy, entering states rounded to 2^-11) in sums of a few dozen
+# terms: errors up to about 5e-4 of the largest magnitude on these shapes
+FP16_RTOL = 3e-3
+
+SHAPES = {
+    "l-less-than-q": EDGE_SHAPES["l-less-than-q"].replace(batch=1, nheads=2),
+    "l-not-multiple": EDGE_SHAPES["l-not-multiple"].replace(batch=1, nheads=2, headdim=8,
+                                                            dstate=8, chunk_size=16, seqlen=37),
+    "l-one": ProblemSpec(1, 1, 2, 8, 8, 1, chunk_size=16, initial_states=True, dt_bias=True,
+                         dt_softplus=True, name="l-one"),
+    "ngroups-2-seq-idx": ProblemSpec(1, 40, 4, 8, 8, 2, chunk_size=16, initial_states=True,
+                                     seq_boundaries=((0, 16, 23, 39),), name="ngroups-2-seq-idx"),
+    "all-features": EDGE_SHAPES["all-features"].replace(batch=1, seqlen=45,
+                                                        seq_boundaries=((3, 16, 33),)),
+    "full-chunks": ProblemSpec(2, 32, 4, 12, 8, 2, chunk_size=16, D="h", z=True,
+                               initial_states=True, seq_boundaries=((5, 16), (0, 20)),
+                               name="full-chunks"),
+}
+
+
+def close(got, want, what, rtol=RTOL):
+    """``got`` (any float tensor) equals the float64 ``want`` to RTOL of want's largest
+    magnitude; NaN (an element no block wrote) fails."""
+    got, want = got.double(), want.double()
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert torch.isfinite(got).all(), f"{what}: {int((~torch.isfinite(got)).sum())} elements " \
+                                      "not written (NaN poison) or not finite"
+    err = float((got - want).abs().max()) / max(1.0, float(want.abs().max()))
+    assert err < rtol, f"{what}: relative error {err:.2e}"
+
+
+def problem(name, seed=5):
+    """For ``name`` (a key of SHAPES, or a ProblemSpec): inputs as fp32 tensors (their float64
+    copies are the references' inputs), the float64 forward's intermediates, and random upstream
+    gradients for each stage."""
+    spec = SHAPES[name] if isinstance(name, str) else name
+    inputs = {k: torch.from_numpy(v) for k, v in spec.make_inputs(seed).items()}
+    inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+    ref = spec.reference({k: v.double().numpy() if v.is_floating_point() else v.numpy()
+                          for k, v in inputs.items()})
+    ref = {k: torch.from_numpy(v).float().double() for k, v in ref.items()}
+    rng = np.random.default_rng(seed)
+    grads = {k: torch.from_numpy(rng.standard_normal(ref[v].shape)).float().double()
+             for k, v in (("dstates", "states"), ("dprev_states", "prev_states"),
+                          ("dfinal_states", "final_states"), ("ddt_out", "dt_out"),
+                          ("ddA_cumsum", "dA_cumsum"), ("dy", "y"))}
+    return spec, inputs, ref, grads
+
+
+def emulated(launcher, *args, **kwargs):
+    """``launcher(*args, **kwargs)`` with its kernels emulated and its buffers NaN-poisoned."""
+    with poisoned_memory(), emu.emulated():
+        return launcher(*args, **kwargs)
+
+
+# --- backward stages --------------------------------------------------------------------------
+
+SMALL_BACKWARD = dict(cumsum=CumsumBackwardConfig(block_h=2, block_rows=2),
+                      state=StateBackwardConfig(block_s=8, block_p=8, block_n=4),
+                      passing=PassingBackwardConfig(block_p=8, block_n=4),
+                      scan=ScanBackwardConfig(block_q=8, block_k=8, block_n=4))
+CONFIGS = {"default": {}, "small-tiles": SMALL_BACKWARD}
+
+
+@pytest.mark.parametrize("tiles", CONFIGS)
+@pytest.mark.parametrize("name", SHAPES)
+def test_state_passing_backward(name, tiles):
+    spec, t, ref, g = problem(name)
+    config = CONFIGS[tiles].get("passing", PassingBackwardConfig())
+    init, seq = t.get("initial_states"), t.get("seq_idx")
+    for dfinal in (g["dfinal_states"], None):
+        want = TB.state_passing_backward_torch(g["dprev_states"], ref["prev_states"],
+                                               ref["dA_cumsum"], init, seq, dfinal_states=dfinal)
+        got = emulated(PASSING.state_passing_backward_cutile, g["dprev_states"].float(),
+                       ref["prev_states"].float(), ref["dA_cumsum"].float(), init, seq,
+                       dfinal_states=None if dfinal is None else dfinal.float(), config=config)
+        assert list(got) == list(want)
+        for k in want:
+            close(got[k], want[k], k)
+
+
+@pytest.mark.parametrize("tiles", CONFIGS)
+@pytest.mark.parametrize("name", SHAPES)
+def test_chunk_state_backward(name, tiles):
+    spec, t, ref, g = problem(name)
+    config = CONFIGS[tiles].get("state", StateBackwardConfig())
+    seq = t.get("seq_idx")
+    want = TB.chunk_state_backward_torch(g["dstates"], t["B"].double(), t["x"].double(),
+                                         ref["dt_out"], ref["dA_cumsum"], seq)
+    got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), t["B"], t["x"],
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), seq, config=config)
+    assert list(got) == list(want)
+    for k in want:
+        close(got[k], want[k], k)
+
+
+@pytest.mark.parametrize("tiles", CONFIGS)
+@pytest.mark.parametrize("name", SHAPES)
+def test_chunk_cumsum_backward(name, tiles):
+    spec, t, ref, g = problem(name)
+    config = CONFIGS[tiles].get("cumsum", CumsumBackwardConfig())
+    bias = t.get("dt_bias")
+    options = dict(dt_softplus=spec.dt_softplus, dt_limit=spec.dt_limit)
+    for saved in (True, False):  # the forward's dt' given, or recomputed in the kernel
+        want = TB.chunk_cumsum_backward_torch(
+            g["ddt_out"], g["ddA_cumsum"], t["dt"].double(), t["A"].double(), spec.chunk_size,
+            None if bias is None else bias.double(), **options,
+            dt_out=ref["dt_out"] if saved else None)
+        got = emulated(CUMSUM.chunk_cumsum_backward_cutile, g["ddt_out"].float(),
+                       g["ddA_cumsum"].float(), t["dt"], t["A"], spec.chunk_size, bias, **options,
+                       dt_out=ref["dt_out"].float() if saved else None, config=config)
+        assert list(got) == list(want)
+        for k in want:
+            close(got[k], want[k], f"{k} (dt_out {'given' if saved else 'recomputed'})")
+
+
+def check_inputs_on_cpu(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None,
+                        seq_idx=None):
+    """chunk_scan_backward's input check but its last one, that the tensors are on a GPU."""
+    try:
+        return SCAN_CHECK_INPUTS(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
+    except ValueError as e:
+        if "must be a CUDA tensor" not in str(e):
+            raise
+    shapes = dict(x=x, B=B, C=C, D=D, z=z, seq_idx=seq_idx, dt_out=dt_out, dA_cumsum=dA_cumsum,
+                  prev_states=prev_states)
+    return check_shapes(chunk_size=int(dA_cumsum.shape[-1]),
+                        **{k: None if v is None else tuple(v.shape) for k, v in shapes.items()})
+
+
+SCAN_CHECK_INPUTS = SCAN.check_inputs
+
+
+def scan_backward(name, config, monkeypatch):
+    """chunk_scan_backward_cutile's result against chunk_scan_backward_torch's."""
+    spec, t, ref, g = problem(name)
+    monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
+    D, z, seq = t.get("D"), t.get("z"), t.get("seq_idx")
+    want = TB.chunk_scan_backward_torch(
+        g["dy"], t["B"].double(), t["C"].double(), t["x"].double(), ref["dt_out"],
+        ref["dA_cumsum"], ref["prev_states"], None if D is None else D.double(),
+        None if z is None else z.double(), seq)
+    got = emulated(SCAN.chunk_scan_backward_cutile, g["dy"].float(), t["B"], t["C"], t["x"],
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), ref["prev_states"].float(), D,
+                   z, seq, config=config)
+    assert list(got) == list(want)
+    for k in want:
+        close(got[k], want[k], k)
+
+
+@pytest.mark.parametrize("tiles", CONFIGS)
+@pytest.mark.parametrize("name", SHAPES)
+def test_chunk_scan_backward(name, tiles, monkeypatch):
+    scan_backward(name, CONFIGS[tiles].get("scan", ScanBackwardConfig()), monkeypatch)
+
+
+def test_chunk_scan_backward_rebuilds_y():
+    """The rows kernel's y_ssm (the gate's gradient reads it) is chunk_scan's SSM part."""
+    spec, t, ref, g = problem("ngroups-2-seq-idx")
+    got = emulated(SCAN.chunk_scan_backward, g["dy"].float(), t["B"], t["C"], t["x"],
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), ref["prev_states"].float(),
+                   t["seq_idx"], config=SMALL_BACKWARD["scan"], rebuild_y=True)
+    want = TB.chunk_scan_torch(t["B"].double(), t["C"].double(), t["x"].double(), ref["dt_out"],
+                               ref["dA_cumsum"], ref["prev_states"], seq_idx=t["seq_idx"])
+    close(got["y_ssm"], want, "y_ssm")
+
+
+def _causal_without_diagonal(t_pos, s_pos, seq_t, seq_s, HAS_SEQ):
+    keep = t_pos > s_pos  # the mutation: the diagonal (s = t) dropped
+    if HAS_SEQ:
+        keep = keep & (seq_t == seq_s)
+    return keep
+
+
+def _end_decay_one_early(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
+    tail = ct.load(dA_cumsum, index=(ib, ih, ic, Q // BLOCK_K - 1), shape=(1, 1, 1, BLOCK_K))
+    return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K // 2 - 1,), shape=(1,))
+
+
+def _columns_without_the_tail(ib, ic, ig, js, *rest):
+    seqlen, Q, BLOCK_Q = rest[11], rest[13], rest[14]
+    if ic * Q + js * BLOCK_Q < seqlen:  # the mutation: tiles past the end left unwritten
+        SCAN_COLUMN_BLOCK(ib, ic, ig, js, *rest)
+
+
+SCAN_COLUMN_BLOCK = SCAN.column_block
+
+
+@pytest.mark.parametrize("mutation", ["causal-mask-off-by-one", "end-decay-wrong-column",
+                                      "tail-unwritten"])
+def test_a_broken_kernel_fails(mutation, monkeypatch):
+    """The emulated tests can fail: a deliberately broken helper of the tile code (an
+    off-by-one causal mask; the chunk's decay read from a wrong column; the gradients of row
+    tiles past the sequence end never stored) makes them fail."""
+    if mutation == "causal-mask-off-by-one":
+        monkeypatch.setattr(SCAN, "pair_keep", _causal_without_diagonal)
+        with pytest.raises(AssertionError, match="relative error"):
+            scan_backward("l-not-multiple", SMALL_BACKWARD["scan"], monkeypatch)
+    elif mutation == "end-decay-wrong-column":
+        monkeypatch.setattr(PASSING, "chunk_end_decay", _end_decay_one_early)
+        with pytest.raises(AssertionError, match="relative error"):
+            test_state_passing_backward("l-not-multiple", "small-tiles")
+    else:
+        monkeypatch.setattr(SCAN, "column_block", _columns_without_the_tail)
+        with pytest.raises(AssertionError, match="not written"):
+            scan_backward("l-less-than-q", SMALL_BACKWARD["scan"], monkeypatch)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_shapes(seed, monkeypatch):
+    """Every backward stage and the forward on a random small problem (ssd.problem.random_spec:
+    any chunk size, groups, head and state widths, features), with random tiles."""
+    rng = np.random.default_rng(100 + seed)
+    spec = random_spec(rng, max_chunks=2)
+    pick = lambda *v: int(rng.choice(v))  # noqa: E731
+    tiles = dict(cumsum=CumsumBackwardConfig(block_h=pick(1, 2, 8), block_rows=pick(1, 4)),
+                 state=StateBackwardConfig(block_s=pick(8, 16), block_p=pick(8, 32),
+                                           block_n=pick(4, 32)),
+                 passing=PassingBackwardConfig(block_p=pick(8, 64), block_n=pick(4, 64)),
+                 scan=ScanBackwardConfig(block_q=pick(8, 16), block_k=pick(8, 64),
+                                         block_n=pick(4, 64)))
+    monkeypatch.setitem(CONFIGS, "random", tiles)
+    test_state_passing_backward(spec, "random")
+    test_chunk_state_backward(spec, "random")
+    test_chunk_cumsum_backward(spec, "random")
+    scan_backward(spec, tiles["scan"], monkeypatch)
+    test_forward_stages(spec, "small-tiles")
+
+
+# --- forward stages ---------------------------------------------------------------------------
+
+
+def forward_configs():
+    base = default_config((9, 0))
+    state = base.state
+    return {
+        "fused-stage-2": base,
+        "split-stage-2": dataclasses.replace(base, state=dataclasses.replace(state, fused=False)),
+        "grouped-walk": dataclasses.replace(base, state=dataclasses.replace(state, groups=2)),
+        "fused-scan": dataclasses.replace(base, fused_scan=dataclasses.replace(
+            base.fused_scan, enabled=True)),
+        "small-tiles": dataclasses.replace(
+            base, cumsum=dataclasses.replace(base.cumsum, block_h=2),
+            state=dataclasses.replace(state, block_p=8, block_n=8, block_k=8, transposed=False),
+            scan=dataclasses.replace(base.scan, block_h=1, block_m=8, block_s=8, block_p=8)),
+        "scan-grid-of-tiles": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, persistent=False, block_h=2, block_m=16, block_s=8, block_p=8)),
+        "scan-whole-chunk": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, whole_chunk=True, block_m=8, block_s=8, block_p=8)),
+        "scan-shared": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, whole_chunk=True, shared=True, block_m=8, block_s=8, block_p=8)),
+        "scan-shared-2-column-blocks": dataclasses.replace(base, scan=dataclasses.replace(
+            base.scan, whole_chunk=True, shared=True, block_m=16, block_s=8, block_p=8)),
+    }
+
+
+FORWARD = forward_configs()
+
+
+@pytest.mark.parametrize("config", FORWARD)
+@pytest.mark.parametrize("name", ["l-not-multiple", "l-one", "all-features", "full-chunks"])
+def test_forward_stages(name, config):
+    spec, t, ref, _ = problem(name)
+    keys = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states", "seq_idx")
+    got = emulated(forward_stages, **{k: t.get(k) for k in keys}, chunk_size=spec.chunk_size,
+                   dt_softplus=spec.dt_softplus, dt_limit=spec.dt_limit, config=FORWARD[config])
+    for k in ("dt_out", "dA_cumsum", "states", "prev_states", "final_states", "y"):
+        if k in got and not (k == "prev_states" and "group_enter" in got):
+            close(got[k], ref[k], k)
+
+
+@pytest.mark.parametrize("config", ["small-tiles", "grouped-walk"])
+def test_forward_varlen_states(config):
+    """With cu_seqlens, chunk_state_varlen's final state of every packed sequence."""
+    spec, t, ref, _ = problem("ngroups-2-seq-idx")
+    bounds = (0, 16, 23, 39, spec.seqlen)  # row 0's sequences: seq_boundaries, then the end
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    keys = ("x", "dt", "A", "B", "C", "initial_states", "seq_idx")
+    got = emulated(forward_stages, **{k: t[k] for k in keys}, chunk_size=spec.chunk_size,
+                   config=FORWARD[config], cu_seqlens=cu_seqlens)
+    want = chunk_state_varlen(t["B"].double().numpy(), t["x"].double().numpy(),
+                              ref["dt_out"].numpy(), ref["dA_cumsum"].numpy(),
+                              ref["prev_states"].numpy(), np.array(bounds), t["seq_idx"].numpy())
+    close(got["varlen_states"], torch.from_numpy(want), "varlen_states")
+
+
+@pytest.mark.parametrize("config", ["fused-stage-2", "split-stage-2", "fused-scan"])
+def test_fp16_inputs(config, monkeypatch):
+    """fp16 inputs: the MMA operands rounded to x's dtype with fp32 accumulators, and every
+    store's cast explicit where it narrows (the emulator enforces cuTile's dtype rules); values
+    against the float64 references of the fp16 inputs, within fp16 operand rounding."""
+    spec, t, ref, g = problem("l-not-multiple")
+    half = {k: v.half() if v.is_floating_point() and k in ("x", "B", "C", "dt") else v
+            for k, v in t.items()}
+    ref = {k: torch.from_numpy(v) for k, v in spec.reference(
+        {k: v.double().numpy() if v.is_floating_point() else v.numpy()
+         for k, v in half.items()}).items()}
+    got = emulated(forward_stages, half["x"], half["dt"], half["A"], half["B"], half["C"],
+                   spec.chunk_size, config=FORWARD[config])
+    for k in ("dt_out", "dA_cumsum", "final_states", "y"):
+        close(got[k], ref[k], k, rtol=FP16_RTOL)
+    monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
+    want = TB.chunk_scan_backward_torch(g["dy"], *(half[k].double() for k in ("B", "C", "x")),
+                                        ref["dt_out"], ref["dA_cumsum"], ref["prev_states"])
+    got = emulated(SCAN.chunk_scan_backward_cutile, g["dy"].half(), half["B"], half["C"],
+                   half["x"], ref["dt_out"].float(), ref["dA_cumsum"].float(),
+                   ref["prev_states"].half(), config=SMALL_BACKWARD["scan"])
+    for k in want:
+        close(got[k], want[k], k, rtol=FP16_RTOL)
+
+
+# --- the layer's conv and norm, the decode step -----------------------------------------------
+
+
+@pytest.mark.parametrize("block", [8, 64])
+def test_causal_conv1d(block):
+    rng = np.random.default_rng(7)
+    b, l, c, w = 2, 21, 12, 4
+    x, weight, bias = (torch.from_numpy(rng.standard_normal(s)).float()
+                       for s in ((b, l, c), (c, w), (c,)))
+    init = torch.from_numpy(rng.standard_normal((b, c, w - 1))).float()
+    seq_idx = torch.tensor([[0] * 9 + [1] * 12, [0] * 20 + [1]], dtype=torch.int32)
+    for options in (dict(), dict(bias=bias, seq_idx=seq_idx, initial_states=init)):
+        got = emulated(CONV.causal_conv1d, x, weight, **options,
+                       config=Conv1dConfig(block_l=block, block_c=block))
+        want = layer_ref.causal_conv1d(*(v.double().numpy() if v.is_floating_point() else
+                                         v.numpy() for v in (x, weight)),
+                                       **{k: v.double().numpy() if v.is_floating_point() else
+                                          v.numpy() for k, v in options.items()})
+        close(got, torch.from_numpy(want), f"conv {sorted(options)}")
+
+
+@pytest.mark.parametrize("group_size", [4, 6])
+def test_gated_rmsnorm(group_size):
+    rng = np.random.default_rng(8)
+    y, z = (torch.from_numpy(rng.standard_normal((3, 5, 12))).float() for _ in range(2))
+    weight = torch.from_numpy(rng.standard_normal(12)).float()
+    got = emulated(NORM.gated_rmsnorm, y, z, weight, group_size, 1e-5,
+                   config=GatedNormConfig(block_elems=16))
+    want = layer_ref.gated_rmsnorm(*(v.double().numpy() for v in (y, z, weight)), group_size,
+                                   1e-5)
+    close(got, torch.from_numpy(want), "gated_rmsnorm")
+
+
+@pytest.mark.parametrize("per_head", [True, False])
+def test_state_update(per_head):
+    """The decode step: y and the state rows it advances in place (a padding entry, -1, touches
+    none)."""
+    rng = np.random.default_rng(9)
+    b, h, p, n, g, slots = 3, 4, 12, 8, 2, 5
+    f = lambda *s: torch.from_numpy(rng.standard_normal(s)).float()  # noqa: E731
+    state, x, B, C, z = f(slots, h, p, n), f(b, h, p), f(b, g, n), f(b, g, n), f(b, h, p)
+    dt, A, D, bias = ((f(b, h), -f(h).abs(), f(h), f(h)) if per_head else
+                      (f(b, h, p), -f(h, p, n).abs(), f(h, p), f(h, p)))
+    rows = torch.tensor([4, -1, 1], dtype=torch.int32)
+    args = dict(D=D, z=z, dt_bias=bias, dt_softplus=True, state_batch_indices=rows,
+                dt_limit=(0.0, 5.0))
+    want_y, want_state = reference_step(*(v.double().numpy() for v in (state, x, dt, A, B, C)),
+                                        **{k: v.double().numpy() if torch.is_tensor(v) and
+                                           v.is_floating_point() else
+                                           v.numpy() if torch.is_tensor(v) else v
+                                           for k, v in args.items()})
+    got = emulated(UPDATE.state_update, state, x, dt, A, B, C, **args,
+                   config=StateUpdateConfig(block_p=4))
+    close(got, torch.from_numpy(want_y), "y")
+    close(state, torch.from_numpy(want_state), "state")
+
+
+@pytest.mark.parametrize("width", [1, 4])
+@pytest.mark.parametrize("paged", [False, True])
+def test_conv_step(width, paged):
+    """The decode step's conv: the output and the state rows it rolls in place (a padding
+    entry, -1, writes a zero output and touches no row)."""
+    rng = np.random.default_rng(10)
+    b, c, slots = 3, 37, 7
+    f = lambda *s: torch.from_numpy(rng.standard_normal(s)).float()  # noqa: E731
+    x = f(b, 50)[:, 5:5 + c]  # a strided view, as the mixer passes in_proj's slice
+    weight, bias = f(c, width), f(c)
+    state = f(slots if paged else b, c, width - 1)
+    before = state.double().numpy().copy()
+    rows = np.array([4, -1, 1]) if paged else np.arange(b)
+    index = torch.from_numpy(rows) if paged else None
+    got = emulated(STEP.conv_step, state, x, weight, bias, index,
+                   config=ConvStepConfig(block_c=16))
+    live = rows >= 0
+    want, want_state = np.zeros((b, c)), before.copy()
+    want[live], want_state[rows[live]] = layer_ref.conv_step(
+        before[rows[live]], x.double().numpy()[live], weight.double().numpy(),
+        bias.double().numpy())
+    close(got, torch.from_numpy(want), "conv step")
+    assert np.array_equal(state.double().numpy(), want_state), "conv state rolled wrong"
+
+
+# --- the emulator itself ----------------------------------------------------------------------
+
+
+@ct.kernel
+def _copy_kernel(src, dst, TILE: ct.Constant[int], PAD: ct.Constant[bool]):
+    i = ct.bid(0)
+    if PAD:
+        t = ct.load(src, index=(i,), shape=(TILE,), padding_mode=ct.PaddingMode.ZERO)
+    else:
+        t = ct.load(src, index=(i,), shape=(TILE,))
+    ct.store(dst, index=(i,), tile=t + 1.0)
+
+
+@ct.kernel
+def _same_tile_kernel(dst, TILE: ct.Constant[int]):
+    ct.store(dst, index=(0,), tile=ct.full((TILE,), 1.0, dtype=ct.float32))
+
+
+def test_emulator_padding_and_bounds():
+    src, dst = torch.arange(6.0), torch.full((6,), float("nan"))
+    emu.run(_copy_kernel, (2,), src, dst, 4, True)  # the second tile crosses the end
+    assert dst.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    with capture() as records:
+        from ssd.launch import launch
+
+        launch(_copy_kernel, (2,), dict(src=src, dst=dst, TILE=4, PAD=False))
+    dst[:] = 0.0
+    emu.replay(records)  # undetermined padding reads NaN, the store drops it past the end
+    assert dst.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    with pytest.raises(emu.EmulationError, match="wholly outside"):
+        emu.run(_copy_kernel, (3,), src, dst, 4, True)
+    with pytest.raises(emu.EmulationError, match="power of two"):
+        emu.run(_copy_kernel, (2,), src, dst, 3, True)
+    with pytest.raises(emu.EmulationError, match="share memory"):
+        emu.run(_copy_kernel, (2,), src, src[2:], 4, True)
+
+
+def test_emulator_finds_two_blocks_writing_one_element():
+    with pytest.raises(emu.EmulationError, match="wrote in the same launch"):
+        emu.run(_same_tile_kernel, (2,), torch.zeros(4), 4)
+    with pytest.raises(emu.EmulationError, match="explicit astype"):
+        emu.run(_same_tile_kernel, (1,), torch.zeros(4, dtype=torch.float16), 4)
+
+
+@ct.kernel
+def _reverse_kernel(a, TILE: ct.Constant[int]):
+    i = ct.bid(0)
+    t = ct.load(a, index=(ct.num_blocks(0) - 1 - i,), shape=(TILE,))
+    ct.store(a, index=(i,), tile=t)
+
+
+def test_emulator_finds_a_block_reading_what_another_wrote():
+    with pytest.raises(emu.EmulationError, match="reads elements block"):
+        emu.run(_reverse_kernel, (2,), torch.arange(8.0), 4)
+
+
+def test_emulator_load_order_follows_the_docs():
+    """The examples of cuda.tile.load's docstring: order permutes the array's axes before the
+    tile space is formed."""
+    x = torch.arange(16).reshape(4, 4).numpy()
+    assert emu.load(x, (1, 0), shape=(1, 4), order="F").tolist() == [[1, 5, 9, 13]]
+    x = torch.arange(8).reshape(2, 2, 2).numpy()
+    assert emu.load(x, (1, 0, 0), shape=(1, 2, 2), order=(0, 2, 1)).tolist() == [[[4, 6], [5, 7]]]
+    x = torch.arange(10).numpy()
+    assert emu.load(x, (2,), shape=4, padding_mode=ct.PaddingMode.ZERO).tolist() == [8, 9, 0, 0]
+    with pytest.raises(emu.EmulationError, match="integer"):
+        emu.load(x, (2,), shape=4)
