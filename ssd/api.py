@@ -58,13 +58,12 @@ from .kernels import chunk_state as _state
 from .kernels import chunk_state_varlen as _varlen
 from .kernels import fused_scan as _fused_scan
 from .kernels import state_passing as _passing
-from .config import SSDConfig, default_config
+from .config import CHUNK_SIZES, MAX_DSTATE, SSDConfig, default_config
+from .launch import chunk_seq_last
 from .reference import check_cu_seqlens, check_shapes, check_varlen_shapes
 
 STAGES = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_DSTATE = 256
-CHUNK_SIZES = (16, 32, 64, 128, 256)
 
 
 def check_tensor(name, t, device, dtypes=FLOAT_DTYPES, optional=False, first="x"):
@@ -157,13 +156,6 @@ def check_input_values(x, dt, A, B, C, z, seq_idx, cu_seqlens, seqlen: int) -> N
         raise ValueError("seq_idx: must be >= 0 and non-decreasing along the sequence")
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens.cpu().numpy(), seqlen, seq_idx.cpu().numpy())
-
-
-def chunk_seq_last(seq_idx, chunk_size: int):
-    """(b, l) int -> (b, c) int32: seq_idx at the last valid position of every chunk."""
-    l = seq_idx.shape[1]
-    last = torch.arange(chunk_size - 1, l + chunk_size - 1, chunk_size, device=seq_idx.device)
-    return seq_idx[:, last.clamp_(max=l - 1)].to(torch.int32).contiguous()
 
 
 # The GPU a CPU tensor stands for (under ssd.launch.capture): the one the defaults are tuned on,

@@ -51,6 +51,7 @@ __all__ = [
     "chunk_state_backward_torch",
     "state_passing_backward_torch",
     "chunk_scan_backward_torch",
+    "chunk_scan_backward_cutile",
     "ssd_chunked_backward",
     "ssd_chunked_backward_torch",
     "StageBackwards",
@@ -465,6 +466,67 @@ def chunk_scan_backward_torch(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=Non
     return out
 
 
+def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None,
+                               seq_idx=None, *, config=None):
+    """The backward of stage 4 with the cuTile kernels: ``chunk_scan_backward_torch``'s
+    arguments and result (its docstring), on a GPU.
+
+    The gate and skip (D, z) are elementwise and run in PyTorch around the kernels'
+    launcher, :func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`:
+    dy reaches the SSM part as dy silu(z) before the kernels, and the gate's gradient reads the
+    SSM part of y, which the rows kernel rebuilds (``rebuild_y``).
+
+    Args:
+        dy: (b, l, h, p) gradient of y; B, C: (b, l, g, n); x: (b, l, h, p); z: optional
+            (b, l, h, p): fp32, bf16 or fp16 (B and C are read in x's dtype).
+        dt_out, dA_cumsum: (b, h, c, q) fp32; prev_states: (b, c, h, p, n) fp32, bf16 or fp16;
+            D: optional (h,) or (h, p); seq_idx: optional (b, l) int32 or int64.
+        config: the kernels' tiles (None: :class:`ssd.config.ScanBackwardConfig`'s defaults).
+    Returns:
+        dict with dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
+        (b, h, c, q), dprev_states (b, c, h, p, n) and, where given, dD ((h,) or (h, p)) and
+        dz (b, l, h, p), all fp32 (the compute dtype); dB, dx, ddt_out and ddA_cumsum are this
+        stage's contributions.
+    Raises:
+        ValueError naming the argument, for a shape, dtype or device the kernels do not take.
+    """
+    import torch
+
+    from .config import ScanBackwardConfig
+    from .kernels.chunk_scan_backward import check_inputs, chunk_scan_backward
+    from .launch import chunk_seq_last
+
+    dims = check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
+    f = torch.float32
+
+    def last_dim_contiguous(t):  # the kernels take strides, but the last one must be 1
+        return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+    x, dy, z, prev_states = map(last_dim_contiguous, (x, dy, z, prev_states))
+    B, C = (last_dim_contiguous(t.to(x.dtype)) for t in (B, C))
+    dt_out, dA_cumsum = map(last_dim_contiguous, (dt_out, dA_cumsum))
+    seq_last = None
+    if seq_idx is not None:
+        seq_last = chunk_seq_last(seq_idx, dims["q"])
+        seq_idx = seq_idx.to(torch.int32).contiguous()
+    # dy through the gate, dy silu(z): the product _skip_and_gate_backward forms below
+    zf = None if z is None else z.to(f)
+    dy_ssm = dy if z is None else dy.to(f) * zf * torch.sigmoid(zf)
+    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
+                              config or ScanBackwardConfig(), rebuild_y=z is not None)
+    if D is None and z is None:
+        return out
+    y_ssm = out.pop("y_ssm", None)
+    _, dx_skip, dD, dz = _skip_and_gate_backward(dy.to(f), lambda: y_ssm, x.to(f), D, z)
+    if dx_skip is not None:
+        out["dx"] += dx_skip
+    if dD is not None:
+        out["dD"] = dD
+    if dz is not None:
+        out["dz"] = dz
+    return out
+
+
 # --------------------------------------------------------------------------------------
 # The composition
 # --------------------------------------------------------------------------------------
@@ -489,7 +551,6 @@ def cutile_backwards() -> StageBackwards:
     """Every stage's cuTile kernels (``ssd.kernels.<stage>_backward``). Imported on call: the
     CPU path needs no cuTile."""
     from .kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
-    from .kernels.chunk_scan_backward import chunk_scan_backward_cutile
     from .kernels.chunk_state_backward import chunk_state_backward_cutile
     from .kernels.state_passing_backward import state_passing_backward_cutile
 

@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+#: What the kernels take: chunk sizes (powers of two: a chunk is one tile) and the largest
+#: state (a block holds a state slice of up to this many columns).
+CHUNK_SIZES = (16, 32, 64, 128, 256)
+MAX_DSTATE = 256
+
 
 def _check_pow2(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1 or value & (value - 1):

@@ -73,6 +73,16 @@ def index_dtype_for(*tensors) -> "ct.DType":
     return ct.int64 if big else ct.int32
 
 
+def chunk_seq_last(seq_idx, chunk_size: int):
+    """(b, l) int -> (b, c) int32: seq_idx at the last valid position of every chunk (the
+    kernels that carry a state across chunks read whether the next chunk continues it)."""
+    import torch
+
+    l = seq_idx.shape[1]
+    last = torch.arange(chunk_size - 1, l + chunk_size - 1, chunk_size, device=seq_idx.device)
+    return seq_idx[:, last.clamp_(max=l - 1)].to(torch.int32).contiguous()
+
+
 def array_type(index_dtype) -> typing.Any:
     """The kernel-parameter annotation for an array indexed with ``index_dtype``."""
     return typing.Annotated[ct.Array, ct.ArrayAnnotation(index_dtype=index_dtype)]

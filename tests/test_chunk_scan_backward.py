@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("cuda.tile")
 
 from ssd import reference as R  # noqa: E402
-from ssd.backward import chunk_scan_backward_torch  # noqa: E402
+from ssd.backward import chunk_scan_backward_cutile, chunk_scan_backward_torch  # noqa: E402
 from ssd.config import ScanBackwardConfig, next_pow2  # noqa: E402
 from ssd.kernels import chunk_scan_backward as K  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec  # noqa: E402
@@ -62,7 +62,7 @@ def cpu_args(b=2, l=40, h=4, p=8, n=16, g=2, q=16, dtype=torch.float32, **extra)
 ])
 def test_bad_input_is_refused_by_name(change, match):
     with pytest.raises(ValueError, match=match):
-        K.chunk_scan_backward_cutile(**cpu_args(**change))
+        chunk_scan_backward_cutile(**cpu_args(**change))
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_q=48), dict(block_k=0), dict(block_n=3),
@@ -249,7 +249,7 @@ def test_gate_and_skip_around_the_kernels(name, monkeypatch, numpy_tiles):
 
     monkeypatch.setattr(K, "check_inputs", on_the_cpu)
     monkeypatch.setattr(K, "chunk_scan_backward", launcher)
-    got = K.chunk_scan_backward_cutile(**tensors)
+    got = chunk_scan_backward_cutile(**tensors)
     assert list(got) == list(want)
     for key in want:
         assert got[key].dtype == torch.float32

@@ -1,6 +1,6 @@
 """GPU tests of chunk_scan's backward in cuTile (``pytest -m gpu``; skipped without a GPU).
 
-:func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward_cutile` against
+:func:`ssd.backward.chunk_scan_backward_cutile` against
 ``ssd.backward.chunk_scan_backward_torch`` run in float64 on exactly the values the kernels read
 (on a few shapes also against the NumPy rung ``ssd.reference_backward.chunk_scan_backward``).
 The inputs are a :class:`ssd.problem.ProblemSpec`'s, fresh each run (a new seed, printed on
@@ -88,7 +88,7 @@ def torch_reference(args: dict) -> dict:
 
 
 def run(args: dict, config=None) -> dict:
-    from ssd.kernels.chunk_scan_backward import chunk_scan_backward_cutile
+    from ssd.backward import chunk_scan_backward_cutile
 
     with poisoned_memory():
         got = chunk_scan_backward_cutile(**args, config=config)

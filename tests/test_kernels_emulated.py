@@ -185,7 +185,7 @@ def scan_backward(name, config, monkeypatch):
         g["dy"], t["B"].double(), t["C"].double(), t["x"].double(), ref["dt_out"],
         ref["dA_cumsum"], ref["prev_states"], None if D is None else D.double(),
         None if z is None else z.double(), seq)
-    got = emulated(SCAN.chunk_scan_backward_cutile, g["dy"].float(), t["B"], t["C"], t["x"],
+    got = emulated(TB.chunk_scan_backward_cutile, g["dy"].float(), t["B"], t["C"], t["x"],
                    ref["dt_out"].float(), ref["dA_cumsum"].float(), ref["prev_states"].float(), D,
                    z, seq, config=config)
     assert list(got) == list(want)
@@ -372,7 +372,7 @@ def test_fp16_inputs(config, monkeypatch):
     monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
     want = TB.chunk_scan_backward_torch(g["dy"], *(half[k].double() for k in ("B", "C", "x")),
                                         ref["dt_out"], ref["dA_cumsum"], ref["prev_states"])
-    got = emulated(SCAN.chunk_scan_backward_cutile, g["dy"].half(), half["B"], half["C"],
+    got = emulated(TB.chunk_scan_backward_cutile, g["dy"].half(), half["B"], half["C"],
                    half["x"], ref["dt_out"].float(), ref["dA_cumsum"].float(),
                    ref["prev_states"].half(), config=SMALL_BACKWARD["scan"])
     for k in want:

@@ -41,14 +41,14 @@ term vanishes), tiles wholly past it are skipped, and ``columns`` writes ddt_out
 of such tiles as zeros: every element of every output is written.
 
 The gate and skip connection (D, z) are elementwise and stay in PyTorch around the kernels
-(:func:`chunk_scan_backward_cutile`, the drop-in for ``chunk_scan_backward_torch``).
+(:func:`ssd.backward.chunk_scan_backward_cutile`, the drop-in for ``chunk_scan_backward_torch``).
 """
 import functools
 
 import cuda.tile as ct
 
 from ..config import ScanBackwardConfig, next_pow2
-from ..launch import array_type, index_dtype_for, launch, optional
+from ..launch import array_type, chunk_seq_last, index_dtype_for, launch, optional
 from .tiles import ConstBool, ConstInt, LOG2E, ZERO
 
 #: The kernels hold a whole head's channels in one tile (and the state's width, up to
@@ -382,7 +382,7 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         B, C: (b, l, g, n) in x's dtype; x: (b, l, h, p) fp32, bf16 or fp16.
         dt_out, dA_cumsum: (b, h, c, q) fp32; prev_states: (b, c, h, p, n), fp32, bf16 or fp16.
         seq_idx: optional (b, l) int32; seq_last: its (b, c) int32 value at each chunk's last
-            valid position (:func:`ssd.api.chunk_seq_last`; None computes it).
+            valid position (:func:`ssd.launch.chunk_seq_last`; None computes it).
         config: the tiles, fitted to the problem and x's dtype here
             (:meth:`ScanBackwardConfig.for_problem`).
         rebuild_y: also return y's SSM part, y_ssm (b, l, h, p) fp32 (the gate's gradient reads
@@ -407,8 +407,6 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     y_ssm = torch.empty((b, l, h, p), dtype=f, device=dev) if rebuild_y else None
     has_seq = seq_idx is not None
     if has_seq and seq_last is None:
-        from ..api import chunk_seq_last
-
         seq_last = chunk_seq_last(seq_idx, q)
     seq_idx = optional(seq_idx, 2, torch.int32, dev)
     seq_last = optional(seq_last, 2, torch.int32, dev)
@@ -436,11 +434,11 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
 
 
 def check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, seq_idx=None):
-    """Check the arguments of :func:`chunk_scan_backward_cutile`; return the sizes
+    """Check the arguments of :func:`ssd.backward.chunk_scan_backward_cutile`; return the sizes
     (b, l, h, p, n, g, c, q). Raises ValueError naming the argument and what it expected."""
     import torch
 
-    from ..api import CHUNK_SIZES, MAX_DSTATE
+    from ..config import CHUNK_SIZES, MAX_DSTATE
     from ..reference import check_shapes
 
     floats = (torch.float32, torch.bfloat16, torch.float16)
@@ -489,63 +487,3 @@ def check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, se
         raise ValueError(f"x: must be a CUDA tensor (got device {x.device}); on the CPU use "
                          "ssd.backward.chunk_scan_backward_torch")
     return dims
-
-
-def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None,
-                               seq_idx=None, *, config: ScanBackwardConfig | None = None):
-    """The backward of stage 4 with the cuTile kernels: ``chunk_scan_backward_torch``'s
-    arguments and result (its docstring), on a GPU.
-
-    The gate and skip (D, z) are elementwise and run in PyTorch around :func:`chunk_scan_backward`:
-    dy reaches the SSM part as dy silu(z) before the kernels, and the gate's gradient reads the
-    SSM part of y, which the rows kernel rebuilds (``rebuild_y``).
-
-    Args:
-        dy: (b, l, h, p) gradient of y; B, C: (b, l, g, n); x: (b, l, h, p); z: optional
-            (b, l, h, p): fp32, bf16 or fp16 (B and C are read in x's dtype).
-        dt_out, dA_cumsum: (b, h, c, q) fp32; prev_states: (b, c, h, p, n) fp32, bf16 or fp16;
-            D: optional (h,) or (h, p); seq_idx: optional (b, l) int32 or int64.
-        config: the kernels' tiles (None: :class:`ssd.config.ScanBackwardConfig`'s defaults).
-    Returns:
-        dict with dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
-        (b, h, c, q), dprev_states (b, c, h, p, n) and, where given, dD ((h,) or (h, p)) and
-        dz (b, l, h, p), all fp32 (the compute dtype); dB, dx, ddt_out and ddA_cumsum are this
-        stage's contributions.
-    Raises:
-        ValueError naming the argument, for a shape, dtype or device the kernels do not take.
-    """
-    import torch
-
-    from ..api import chunk_seq_last
-    from ..backward import _skip_and_gate_backward
-
-    dims = check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
-    f = torch.float32
-
-    def last_dim_contiguous(t):  # the kernels take strides, but the last one must be 1
-        return t if t is None or t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-    x, dy, z, prev_states = map(last_dim_contiguous, (x, dy, z, prev_states))
-    B, C = (last_dim_contiguous(t.to(x.dtype)) for t in (B, C))
-    dt_out, dA_cumsum = map(last_dim_contiguous, (dt_out, dA_cumsum))
-    seq_last = None
-    if seq_idx is not None:
-        seq_last = chunk_seq_last(seq_idx, dims["q"])
-        seq_idx = seq_idx.to(torch.int32).contiguous()
-    # dy through the gate, dy silu(z): the product _skip_and_gate_backward forms below
-    zf = None if z is None else z.to(f)
-    dy_ssm = dy if z is None else dy.to(f) * zf * torch.sigmoid(zf)
-    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
-                              config or ScanBackwardConfig(), rebuild_y=z is not None)
-    if D is None and z is None:
-        return out
-    y_ssm = out.pop("y_ssm", None)
-    _, dx_skip, dD, dz = _skip_and_gate_backward(dy.to(f), lambda: y_ssm, x.to(f), D, z)
-    if dx_skip is not None:
-        out["dx"] += dx_skip
-    if dD is not None:
-        out["dD"] = dD
-    if dz is not None:
-        out["dz"] = dz
-    return out
-

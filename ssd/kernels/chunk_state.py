@@ -68,7 +68,8 @@ def chunk_state(B, x, dt_out, dA_cumsum, seq_idx=None, seq_last=None,
 
     Args:
         B: (b, l, g, n); x: (b, l, h, p); dt_out, dA_cumsum: (b, h, c, q) fp32 from chunk_cumsum.
-        seq_idx: optional (b, l) int32; seq_last: (b, c) int32 (see :func:`ssd.api.chunk_seq_last`).
+        seq_idx: optional (b, l) int32; seq_last: (b, c) int32
+            (see :func:`ssd.launch.chunk_seq_last`).
         out: optional preallocated (b, c, h, p, n) fp32 tensor.
     Returns:
         states (b, c, h, p, n) fp32.

@@ -109,7 +109,7 @@ def chunk_state_varlen(B, x, dt_out, dA_cumsum, prev_states, cu_seqlens, seq_idx
         prev_states: (1, c, h, p, n) from stage 2 (any state dtype).
         cu_seqlens: (S + 1,) int32, 0 first, l last, strictly increasing.
         seq_idx: (1, l) int32 changing exactly at cu_seqlens' offsets; seq_last: (1, c) int32
-            (see :func:`ssd.api.chunk_seq_last`).
+            (see :func:`ssd.launch.chunk_seq_last`).
         config: the stage-2 config; its block_p, block_n and block_k tile the state and the chunk.
         out: optional preallocated (S, h, p, n) fp32 tensor.
         groups: the :class:`ssd.kernels.state_passing.Groups` of a grouped stage 2, whose
