@@ -241,19 +241,26 @@ def store(array, index, tile, *, order="C", check_bounds=True, latency=None, all
     view[inside] = tile[part]
 
 
-def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, latency=None):
+def _indexed(op, array, indices, mask, check_bounds):
+    """gather's and scatter's index tiles, broadcast together, and where each element is
+    inside ``array`` and not masked off."""
     if not isinstance(indices, tuple):
         indices = (indices,)
     if len(indices) != array.ndim:
-        raise EmulationError(f"gather: {len(indices)} index tiles for a rank {array.ndim} array")
+        raise EmulationError(f"{op}: {len(indices)} index tiles for a rank {array.ndim} array")
     idx = np.broadcast_arrays(*(np.asarray(i) for i in indices))
     ok = np.ones(idx[0].shape, dtype=bool)
     for i, n in zip(idx, array.shape):
         ok &= (i >= 0) & (i < n)
     if not check_bounds and not ok.all():
-        raise EmulationError("gather: check_bounds=False with an index outside the array")
+        raise EmulationError(f"{op}: check_bounds=False with an index outside the array")
     if mask is not None:
         ok = ok & np.broadcast_to(np.asarray(mask), ok.shape)
+    return idx, ok
+
+
+def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, latency=None):
+    idx, ok = _indexed("gather", array, indices, mask, check_bounds)
     safe = tuple(np.where(ok, i, 0) for i in idx)
     _race_on_read_elements(array, safe, ok)
     out = np.where(ok, array[safe], np.asarray(padding_value, dtype=array.dtype))
@@ -263,22 +270,11 @@ def gather(array, indices, *, mask=None, padding_value=0, check_bounds=True, lat
 def scatter(array, indices, value, *, mask=None, check_bounds=True, latency=None):
     """Store ``value`` at the elements ``indices`` name; an index outside the array, or
     masked off, stores nothing."""
-    if not isinstance(indices, tuple):
-        indices = (indices,)
-    if len(indices) != array.ndim:
-        raise EmulationError(f"scatter: {len(indices)} index tiles for a rank {array.ndim} array")
-    idx = np.broadcast_arrays(*(np.asarray(i) for i in indices))
+    idx, ok = _indexed("scatter", array, indices, mask, check_bounds)
     value = np.broadcast_to(np.asarray(value), idx[0].shape)
     if np.promote_types(value.dtype, array.dtype) != array.dtype:
         raise EmulationError(f"scatter: {value.dtype} into a {array.dtype} array narrows: "
                              "astype first")
-    ok = np.ones(idx[0].shape, dtype=bool)
-    for i, n in zip(idx, array.shape):
-        ok &= (i >= 0) & (i < n)
-    if not check_bounds and not ok.all():
-        raise EmulationError("scatter: check_bounds=False with an index outside the array")
-    if mask is not None:
-        ok = ok & np.broadcast_to(np.asarray(mask), ok.shape)
     sel = tuple(i[ok] for i in idx)
     writers, readers = _state.maps(array, "C")
     w, r = writers[sel], readers[sel]

@@ -363,6 +363,23 @@ def _flush_buffer():
     return _FLUSH["buf"]
 
 
+def graph_replay(fn):
+    """``fn`` captured into a CUDA graph; returns the graph's ``replay``. Two calls on a side
+    stream come first: they compile, autotune and allocate, none of which a capture may do."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_fn(fn, *, mode="graph", l2="flushed", reps=50, warmup=5) -> dict:
     """Median and quantiles (ms) of ``fn`` timed with CUDA events, warm-up excluded.
 
@@ -375,18 +392,7 @@ def time_fn(fn, *, mode="graph", l2="flushed", reps=50, warmup=5) -> dict:
     from .. import launch
 
     launch.wait_tuned()  # steady state is the tuned kernels'
-    call = fn
-    if mode == "graph":
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        call = graph.replay
+    call = graph_replay(fn) if mode == "graph" else fn
     for _ in range(warmup):
         call()
     flush = _flush_buffer() if l2 == "flushed" else None

@@ -210,19 +210,11 @@ def decode_loop(stack, caches, first, steps: int, device, mode="graph"):
         mode, why = "eager", "no CUDA device"
     if mode == "graph":
         from .. import launch
+        from .bench import graph_replay
 
         launch.wait_tuned()
         try:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: compiles, autotunes, allocates
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
-            call = graph.replay
+            call = graph_replay(step)
         except Exception as exc:
             mode, why = "eager", f"CUDA graph capture failed: {_failure(exc)}"
         _restore(work, caches, buf, first)  # the warm-up advanced the state
