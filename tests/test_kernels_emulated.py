@@ -314,6 +314,31 @@ def test_forward_stages(name, config):
             close(got[k], ref[k], k)
 
 
+@pytest.mark.parametrize("name", ["all-features", "l-not-multiple"])
+def test_replayed_calls_compute_each_calls_own_inputs(name, monkeypatch):
+    """The public forward called three times with fresh inputs of one signature: the first call
+    runs in full, the second traces its plan and runs it, the third replays it (``ssd.api``):
+    each returns its own inputs' y and final states, with every buffer poisoned."""
+    from ssd import api
+
+    api._plans.clear()
+    spec = SHAPES[name]
+    keys = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states", "seq_idx")
+    replays = []
+    monkeypatch.setattr(api.Plan, "replay", lambda self, *a, replay=api.Plan.replay:
+                        replays.append(1) or replay(self, *a))
+    for seed in (5, 6, 7):
+        _, t, ref, _ = problem(spec, seed)
+        y, final = emulated(api.mamba_chunk_scan_combined, **{k: t.get(k) for k in keys},
+                            chunk_size=spec.chunk_size, dt_softplus=spec.dt_softplus,
+                            dt_limit=spec.dt_limit, config=FORWARD["small-tiles"],
+                            return_final_states=True)
+        close(y, ref["y"], f"y, call {seed - 4}")
+        close(final, ref["final_states"], f"final_states, call {seed - 4}")
+    assert replays == [1, 1], "the second call (tracing) and the third ran the plan"
+    api._plans.clear()
+
+
 @pytest.mark.parametrize("config", ["small-tiles", "grouped-walk"])
 def test_forward_varlen_states(config):
     """With cu_seqlens, chunk_state_varlen's final state of every packed sequence."""
