@@ -59,7 +59,7 @@ from .kernels import chunk_state_varlen as _varlen
 from .kernels import fused_scan as _fused_scan
 from .kernels import state_passing as _passing
 from .config import CHUNK_SIZES, MAX_DSTATE, SSDConfig, default_config
-from .launch import chunk_seq_last
+from .launch import chunk_seq_last, gpu_facts
 from .reference import check_cu_seqlens, check_shapes, check_varlen_shapes
 
 STAGES = ("chunk_cumsum", "chunk_state", "state_passing", "chunk_scan")
@@ -156,19 +156,6 @@ def check_input_values(x, dt, A, B, C, z, seq_idx, cu_seqlens, seqlen: int) -> N
         raise ValueError("seq_idx: must be >= 0 and non-decreasing along the sequence")
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens.cpu().numpy(), seqlen, seq_idx.cpu().numpy())
-
-
-# The GPU a CPU tensor stands for (under ssd.launch.capture): the one the defaults are tuned on,
-# sm_90 with 132 SMs (H100 SXM, H200), so that the CPU resolves the configuration a call there would.
-CAPTURE_GPU = ((9, 0), 132)
-
-
-def gpu_facts(device) -> tuple[tuple[int, int], int]:
-    """(compute capability, SM count) of ``device``; CAPTURE_GPU for a CPU device."""
-    if device.type == "cpu":
-        return CAPTURE_GPU
-    gpu = torch.cuda.get_device_properties(device)
-    return (gpu.major, gpu.minor), gpu.multi_processor_count
 
 
 def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig:

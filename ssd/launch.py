@@ -73,6 +73,21 @@ def index_dtype_for(*tensors) -> "ct.DType":
     return ct.int64 if big else ct.int32
 
 
+# The GPU a CPU tensor stands for (under capture): the one the defaults are tuned on, sm_90 with
+# 132 SMs (H100 SXM, H200), so that the CPU resolves the configuration a call there would.
+CAPTURE_GPU = ((9, 0), 132)
+
+
+def gpu_facts(device) -> tuple[tuple[int, int], int]:
+    """(compute capability, SM count) of ``device``; CAPTURE_GPU for a CPU device."""
+    if device.type == "cpu":
+        return CAPTURE_GPU
+    import torch
+
+    gpu = torch.cuda.get_device_properties(device)
+    return (gpu.major, gpu.minor), gpu.multi_processor_count
+
+
 def chunk_seq_last(seq_idx, chunk_size: int):
     """(b, l) int -> (b, c) int32: seq_idx at the last valid position of every chunk (the
     kernels that carry a state across chunks read whether the next chunk continues it)."""

@@ -63,6 +63,18 @@ SHAPES = {
 }
 
 
+# chunk_scan's backward also on a chunk of several default tiles (q128: 64-row tiles), eight
+# groups, a head width that is no power of two and one position
+SCAN_SHAPES = {
+    "q128": ProblemSpec(2, 300, 4, 24, 40, 2, chunk_size=128,
+                        seq_boundaries=((5, 130, 200), (0, 64, 255)), name="q128"),
+    "ngroups-8": ProblemSpec(1, 70, 16, 8, 8, 8, chunk_size=32, seq_boundaries=((10, 33, 64),),
+                             name="ngroups-8"),
+    "headdim-not-pow2": EDGE_SHAPES["headdim-not-pow2"],
+    "l-one-q32": ProblemSpec(2, 1, 4, 16, 16, 1, chunk_size=32, name="l-one-q32"),
+}
+
+
 def close(got, want, what, rtol=RTOL):
     """``got`` (any float tensor) equals the float64 ``want`` to RTOL of want's largest
     magnitude; NaN (an element no block wrote) fails."""
@@ -103,7 +115,7 @@ def emulated(launcher, *args, **kwargs):
 SMALL_BACKWARD = dict(cumsum=CumsumBackwardConfig(block_h=2, block_rows=2),
                       state=StateBackwardConfig(block_s=8, block_p=8, block_n=4),
                       passing=PassingBackwardConfig(block_p=8, block_n=4),
-                      scan=ScanBackwardConfig(block_q=8, block_k=8, block_n=4))
+                      scan=ScanBackwardConfig(block_q=8, block_k=8, block_n=4, head_splits=1))
 CONFIGS = {"default": {}, "small-tiles": SMALL_BACKWARD}
 
 
@@ -199,6 +211,28 @@ def test_chunk_scan_backward(name, tiles, monkeypatch):
     scan_backward(name, CONFIGS[tiles].get("scan", ScanBackwardConfig()), monkeypatch)
 
 
+@pytest.mark.parametrize("name", SCAN_SHAPES)
+def test_chunk_scan_backward_default_tiles(name, monkeypatch):
+    scan_backward(SCAN_SHAPES[name], ScanBackwardConfig(), monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["ngroups-2-seq-idx", "full-chunks", "l-not-multiple"])
+def test_chunk_scan_backward_head_splits(name, monkeypatch):
+    """Each head its own block (head_splits = the heads per group), the runs' dB and dC summed
+    after the kernels, on tiles that make several row and column blocks a chunk."""
+    spec = SHAPES[name]
+    splits = spec.nheads // spec.ngroups
+    assert splits > 1
+    scan_backward(name, dataclasses.replace(SMALL_BACKWARD["scan"], head_splits=splits),
+                  monkeypatch)
+
+
+def test_head_splits_must_divide_the_heads_per_group(monkeypatch):
+    with pytest.raises(ValueError, match="head_splits=3 must divide the heads per group"):
+        scan_backward("full-chunks", dataclasses.replace(SMALL_BACKWARD["scan"], head_splits=3),
+                      monkeypatch)
+
+
 def test_chunk_scan_backward_rebuilds_y():
     """The rows kernel's y_ssm (the gate's gradient reads it) is chunk_scan's SSM part."""
     spec, t, ref, g = problem("ngroups-2-seq-idx")
@@ -223,7 +257,7 @@ def _end_decay_one_early(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
 
 
 def _columns_without_the_tail(ib, ic, ig, js, *rest):
-    seqlen, Q, BLOCK_Q = rest[11], rest[13], rest[14]
+    seqlen, Q, BLOCK_Q = rest[11], rest[14], rest[15]
     if ic * Q + js * BLOCK_Q < seqlen:  # the mutation: tiles past the end left unwritten
         SCAN_COLUMN_BLOCK(ib, ic, ig, js, *rest)
 

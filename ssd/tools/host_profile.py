@@ -29,7 +29,7 @@ On a GPU the same call is also timed with CUDA events (:func:`ssd.tools.bench.ti
 eagerly and as a CUDA-graph replay, and its signature's first-call path (``validate`` and
 ``forward_stages``) eagerly: eager minus graph is the host overhead the graph hides. On the CPU
 everything runs under ``ssd.launch.capture()`` on CPU tensors, which stand for the sm_90 GPU
-the defaults are tuned on (:data:`ssd.api.CAPTURE_GPU`).
+the defaults are tuned on (:data:`ssd.launch.CAPTURE_GPU`).
 
 ``--cprofile N`` adds the N functions a repeated call spends most time in (cProfile). The
 record goes to ``--out`` (default on a GPU ``results/<gpu>/host_profile.json``; on the CPU
