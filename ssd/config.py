@@ -161,25 +161,47 @@ class ScanConfig:
 SCAN_BACKWARD_FP32_TILE = 32
 
 
+#: The blocks a SM that the backward's diagonal-block kernels aim for (two waves of two resident
+#: blocks), so that the latency of a block's walk over its heads is hidden. Untimed.
+BACKWARD_BLOCKS_PER_SM = 4
+
+
+def head_splits(blocks: int, heads_per_group: int, sms: int) -> int:
+    """The default ``ScanBackwardConfig.head_splits``: the fewest splits of a group's heads (a
+    divisor of ``heads_per_group``) that give a grid of ``blocks`` blocks a split at least
+    BACKWARD_BLOCKS_PER_SM blocks a SM on ``sms`` SMs, or one head a block. With one group and
+    few chunks (2.7b: 256 blocks for 80 heads) one split would leave 132 SMs two blocks each,
+    each walking 80 heads."""
+    for splits in range(1, heads_per_group + 1):
+        if heads_per_group % splits == 0 and blocks * splits >= BACKWARD_BLOCKS_PER_SM * sms:
+            return splits
+    return heads_per_group
+
+
 @dataclass(frozen=True)
 class ScanBackwardConfig:
     """chunk_scan's backward (:mod:`ssd.kernels.chunk_scan_backward`). Its two diagonal-block
     kernels cut a chunk into square ``block_q`` x ``block_q`` tiles (rows t, columns s: the
     diagonal tile of row block i is column block i), and a block owns one row block or one column
-    block of one chunk for every head of one group. The entering states' gradient, a chunk_state
-    of (dy, C), reads ``block_k`` positions a step and owns ``block_n`` state columns a block.
-    ``occupancy`` as in StateConfig. Untimed defaults; fp32 inputs take smaller tiles
-    (:meth:`for_problem`)."""
+    block of one chunk for ``heads_per_group / head_splits`` heads of one group. The entering
+    states' gradient, a chunk_state of (dy, C), reads ``block_k`` positions a step and owns
+    ``block_n`` state columns a block. ``occupancy`` as in StateConfig. ``head_splits`` (a
+    divisor of the heads per group; None: :func:`head_splits`' rule) cuts each group's heads
+    into that many blocks, whose partial dB and dC are summed after the kernels. Untimed
+    defaults; fp32 inputs take smaller tiles (:meth:`for_problem`)."""
 
     block_q: int = 64
     block_k: int = 64
     block_n: int = 64
     occupancy: int | None = None
+    head_splits: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_n"):
             _check_pow2(name, getattr(self, name))
         _check_hints(self)
+        if self.head_splits is not None and self.head_splits < 1:
+            raise ValueError(f"head_splits: expected None or a positive int, got {self.head_splits}")
 
     def for_problem(self, chunk_size: int, dstate: int, input_dtype=None) -> "ScanBackwardConfig":
         """The tiles clamped to the chunk (``block_q``, ``block_k``) and to the state padded to a

@@ -8,6 +8,11 @@ explicit :class:`cuda.tile.compilation.KernelSignature` and exports a cubin. Lau
 therefore run unchanged on CPU tensors under ``capture()``: that is how CI proves that every
 kernel still compiles for sm_80 / sm_90 / sm_100.
 
+Launches of one call in a row: :func:`run` takes :class:`Step` records and their argument tuples
+and enters the device once for all of them; :mod:`ssd.api` records a call's steps once per
+signature with :func:`trace` and replays them (its plans), so a repeated call's host path skips
+the launchers.
+
 Quick first calls: a kernel whose compile is long runs a quick-compiling build of itself until
 its tuned build, compiled in another process, is in cuTile's kernel cache.
 
@@ -41,9 +46,11 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import typing
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import cuda.tile as ct
 
@@ -64,6 +71,21 @@ def index_dtype_for(*tensors) -> "ct.DType":
 
     big = any(t is not None and reach(t) > INT32_MAX for t in tensors)
     return ct.int64 if big else ct.int32
+
+
+# The GPU a CPU tensor stands for (under capture): the one the defaults are tuned on, sm_90 with
+# 132 SMs (H100 SXM, H200), so that the CPU resolves the configuration a call there would.
+CAPTURE_GPU = ((9, 0), 132)
+
+
+def gpu_facts(device) -> tuple[tuple[int, int], int]:
+    """(compute capability, SM count) of ``device``; CAPTURE_GPU for a CPU device."""
+    if device.type == "cpu":
+        return CAPTURE_GPU
+    import torch
+
+    gpu = torch.cuda.get_device_properties(device)
+    return (gpu.major, gpu.minor), gpu.multi_processor_count
 
 
 def chunk_seq_last(seq_idx, chunk_size: int):
@@ -112,6 +134,36 @@ def capture():
         yield records
 
 
+def capturing() -> bool:
+    """Whether launches go to a handler (:func:`intercept`, :func:`capture`) rather than run."""
+    return _handler is not None
+
+
+@dataclass
+class Trace:
+    """What a host path did, as :func:`trace` saw it: its launches, in order, as
+    ``(Launch, QuickFirst or None)`` pairs, and the stand-ins :func:`optional` made for absent
+    inputs (id -> tensor: held, so that no other tensor takes an id while the trace lives)."""
+    launches: list
+    stand_ins: dict
+
+
+_tracing = threading.local()  # .trace: the Trace this thread records into, if any
+
+
+@contextlib.contextmanager
+def trace():
+    """Record launches with their quick builds, and the stand-ins of absent inputs, instead of
+    running them, in this thread only (a serving thread beside it launches as usual). How
+    :mod:`ssd.api` learns once what a call launches, to replay it on later calls. Inside
+    :func:`capture` too, the trace gets the launches."""
+    previous, _tracing.trace = getattr(_tracing, "trace", None), Trace([], {})
+    try:
+        yield _tracing.trace
+    finally:
+        _tracing.trace = previous
+
+
 _launched: set = set()  # kernels launched at least once in this process
 
 
@@ -147,34 +199,71 @@ def _launchable(kernel, name: str, value):
     return value.detach()
 
 
+class Step(NamedTuple):
+    """One launch as :func:`run` takes it: the kernel, its grid, and, for a kernel with a quick
+    first build, its :class:`QuickFirst` and :func:`launch_key` (computed once by a caller that
+    launches the same signature again, instead of at every launch)."""
+    kernel: object  # cuda.tile kernel
+    grid: tuple
+    quick: QuickFirst | None = None
+    key: tuple | None = None
+
+
 def launch(kernel, grid: tuple, args: dict, device=None, quick=None) -> None:
     """Launch ``kernel`` over ``grid`` with ``args`` (parameter name -> value, see
-    :func:`kernel_args`) on the current stream of ``device``, or hand it to the handler of
-    :func:`intercept` (:func:`capture` records it).
+    :func:`kernel_args`) on the current stream of ``device``, or record it under
+    :func:`trace`, or hand it to the handler of :func:`intercept` (:func:`capture` records it).
 
     quick: a :class:`QuickFirst` for a kernel whose tuned build compiles for long; until that
     build is ready the quick one runs in its place (see the module docstring).
     """
     grid, args = tuple(grid), kernel_args(kernel, args)
+    recording = getattr(_tracing, "trace", None)
+    if recording is not None:
+        recording.launches.append((Launch(kernel, grid, args), quick))
+        return
+    key = launch_key(kernel, args) if quick is not None else None
+    run((Step(kernel, grid, quick, key),), (args,), device)
+
+
+def run(steps, arguments, device) -> None:
+    """Launch each of ``steps`` (:class:`Step`) with its argument tuple from ``arguments``
+    (in the kernel's parameter order), in order, on the current stream of ``device``; under
+    :func:`intercept`, hand them to its handler instead."""
     if _handler is not None:
-        _handler(Launch(kernel, grid, args))
+        for step, args in zip(steps, arguments, strict=True):
+            _handler(Launch(step.kernel, step.grid, args))
         return
     import torch
 
+    index = device.index if isinstance(device, torch.device) else device
+    if index is None or index == torch.cuda.current_device():
+        _run(steps, arguments)  # entering the device would change nothing: skip its cost
+        return
     with torch.cuda.device(device):
-        if quick is not None and (key := launch_key(kernel, args)) not in settled:
+        _run(steps, arguments)
+
+
+def _run(steps, arguments) -> None:
+    """:func:`run` on the current device."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    for step, args in zip(steps, arguments, strict=True):
+        kernel = step.kernel
+        if step.quick is not None and step.key not in settled:
             arch = "sm_{}{}".format(*torch.cuda.get_device_capability())
-            kernel = pick(key, quick, Launch(kernel, grid, args), arch,
-                                  torch.cuda.is_current_stream_capturing())
+            kernel = pick(step.key, step.quick, Launch(kernel, step.grid, args), arch,
+                          torch.cuda.is_current_stream_capturing())
         if kernel in _launched:
-            ct.launch(torch.cuda.current_stream(), grid, kernel, args)
-            return
+            ct.launch(stream, step.grid, kernel, args)
+            continue
         # A first launch compiles (seconds, in silence otherwise); later ones of other
         # signatures compile too, and say nothing.
         name = kernel._pyfunc.__name__.removesuffix("_kernel")
         log.info("%s: first launch in this process (compiles unless cached)", name)
         start = time.perf_counter()
-        ct.launch(torch.cuda.current_stream(), grid, kernel, args)
+        ct.launch(stream, step.grid, kernel, args)
         _launched.add(kernel)
         log.info("%s: launched after %.1f s", name, time.perf_counter() - start)
 
@@ -274,13 +363,19 @@ def optional(tensor, ndim: int, dtype, device):
     Kernels take a fixed parameter list; passing another argument in its place would alias
     two kernel arrays, which cuTile forbids even when one of them is never touched. Never
     touched, its contents do not matter: ``empty`` allocates without launching a fill kernel
-    (``zeros`` launched one per absent input per forward).
+    (``zeros`` launched one per absent input per forward). Under :func:`trace` the stand-in is
+    noted, so that a replayed call (:mod:`ssd.api`'s plans) passes the same one again instead
+    of allocating another.
     """
     import torch
 
     if tensor is not None:
         return tensor
-    return torch.empty((1,) * ndim, dtype=dtype, device=device)
+    stand_in = torch.empty((1,) * ndim, dtype=dtype, device=device)
+    recording = getattr(_tracing, "trace", None)
+    if recording is not None:
+        recording.stand_ins[id(stand_in)] = stand_in
+    return stand_in
 
 
 # --- quick first calls ------------------------------------------------------------------------

@@ -366,8 +366,8 @@ def test_varlen_states_return_but_refuse_a_gradient():
 
 @pytest.fixture
 def cpu_api(monkeypatch):
-    """ssd.api with the float64 NumPy forward and no device check: its grad/no-grad wiring on
-    the CPU. Returns the list of forward calls."""
+    """ssd.api with the float64 NumPy forward, no device check and no plans (every call runs
+    forward_stages): its grad/no-grad wiring on the CPU. Returns the list of forward calls."""
     from ssd import api
 
     calls = []
@@ -378,6 +378,7 @@ def cpu_api(monkeypatch):
 
     monkeypatch.setattr(api, "forward_stages", stages)
     monkeypatch.setattr(api, "validate", lambda *a, **k: None)
+    monkeypatch.setattr(api, "plan_key", lambda *a, **k: None)
     return calls
 
 

@@ -8,7 +8,9 @@ import pytest
 matplotlib.use("Agg")
 
 from ssd.book import backward as BW  # noqa: E402
+from ssd.config import head_splits  # noqa: E402
 from ssd.cost import ssd_costs  # noqa: E402
+from ssd.launch import CAPTURE_GPU  # noqa: E402
 from ssd.problem import EDGE_SHAPES, MODEL_SHAPES, ProblemSpec  # noqa: E402
 
 TINY = ProblemSpec(batch=1, seqlen=5, nheads=2, headdim=2, dstate=2, ngroups=1, chunk_size=2,
@@ -143,7 +145,8 @@ def test_kernel_table_reads_the_kernels_and_their_launches():
     columns, rows = by["chunk_scan_backward_columns_kernel"], by["chunk_scan_backward_rows_kernel"]
     assert columns["writes"] == "`dx`, `dB`, `ddt_out`, `ddA_cumsum`"
     assert "`ddA_cumsum` (+=)" in rows["writes"] and "`prev_states`" in rows["reads"]
-    assert columns["blocks"] == d["b"] * d["c"] * d["g"] * 4          # q / 64 column blocks
+    splits = head_splits(d["b"] * d["c"] * d["g"] * 4, d["h"] // d["g"], CAPTURE_GPU[1])
+    assert columns["blocks"] == d["b"] * d["c"] * d["g"] * splits * 4  # q / 64 column blocks
     assert by["state_passing_backward_rows_kernel"]["reads"] == "`ddecay_parts`"
     for r in table:                                                    # a read is no write
         written = {w.split(" ")[0] for w in r["writes"].split(", ")}

@@ -63,6 +63,18 @@ SHAPES = {
 }
 
 
+# chunk_scan's backward also on a chunk of several default tiles (q128: 64-row tiles), eight
+# groups, a head width that is no power of two and one position
+SCAN_SHAPES = {
+    "q128": ProblemSpec(2, 300, 4, 24, 40, 2, chunk_size=128,
+                        seq_boundaries=((5, 130, 200), (0, 64, 255)), name="q128"),
+    "ngroups-8": ProblemSpec(1, 70, 16, 8, 8, 8, chunk_size=32, seq_boundaries=((10, 33, 64),),
+                             name="ngroups-8"),
+    "headdim-not-pow2": EDGE_SHAPES["headdim-not-pow2"],
+    "l-one-q32": ProblemSpec(2, 1, 4, 16, 16, 1, chunk_size=32, name="l-one-q32"),
+}
+
+
 def close(got, want, what, rtol=RTOL):
     """``got`` (any float tensor) equals the float64 ``want`` to RTOL of want's largest
     magnitude; NaN (an element no block wrote) fails."""
@@ -103,7 +115,7 @@ def emulated(launcher, *args, **kwargs):
 SMALL_BACKWARD = dict(cumsum=CumsumBackwardConfig(block_h=2, block_rows=2),
                       state=StateBackwardConfig(block_s=8, block_p=8, block_n=4),
                       passing=PassingBackwardConfig(block_p=8, block_n=4),
-                      scan=ScanBackwardConfig(block_q=8, block_k=8, block_n=4))
+                      scan=ScanBackwardConfig(block_q=8, block_k=8, block_n=4, head_splits=1))
 CONFIGS = {"default": {}, "small-tiles": SMALL_BACKWARD}
 
 
@@ -199,6 +211,28 @@ def test_chunk_scan_backward(name, tiles, monkeypatch):
     scan_backward(name, CONFIGS[tiles].get("scan", ScanBackwardConfig()), monkeypatch)
 
 
+@pytest.mark.parametrize("name", SCAN_SHAPES)
+def test_chunk_scan_backward_default_tiles(name, monkeypatch):
+    scan_backward(SCAN_SHAPES[name], ScanBackwardConfig(), monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["ngroups-2-seq-idx", "full-chunks", "l-not-multiple"])
+def test_chunk_scan_backward_head_splits(name, monkeypatch):
+    """Each head its own block (head_splits = the heads per group), the runs' dB and dC summed
+    after the kernels, on tiles that make several row and column blocks a chunk."""
+    spec = SHAPES[name]
+    splits = spec.nheads // spec.ngroups
+    assert splits > 1
+    scan_backward(name, dataclasses.replace(SMALL_BACKWARD["scan"], head_splits=splits),
+                  monkeypatch)
+
+
+def test_head_splits_must_divide_the_heads_per_group(monkeypatch):
+    with pytest.raises(ValueError, match="head_splits=3 must divide the heads per group"):
+        scan_backward("full-chunks", dataclasses.replace(SMALL_BACKWARD["scan"], head_splits=3),
+                      monkeypatch)
+
+
 def test_chunk_scan_backward_rebuilds_y():
     """The rows kernel's y_ssm (the gate's gradient reads it) is chunk_scan's SSM part."""
     spec, t, ref, g = problem("ngroups-2-seq-idx")
@@ -223,7 +257,7 @@ def _end_decay_one_early(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
 
 
 def _columns_without_the_tail(ib, ic, ig, js, *rest):
-    seqlen, Q, BLOCK_Q = rest[11], rest[13], rest[14]
+    seqlen, Q, BLOCK_Q = rest[11], rest[14], rest[15]
     if ic * Q + js * BLOCK_Q < seqlen:  # the mutation: tiles past the end left unwritten
         SCAN_COLUMN_BLOCK(ib, ic, ig, js, *rest)
 
@@ -312,6 +346,31 @@ def test_forward_stages(name, config):
     for k in ("dt_out", "dA_cumsum", "states", "prev_states", "final_states", "y"):
         if k in got and not (k == "prev_states" and "group_enter" in got):
             close(got[k], ref[k], k)
+
+
+@pytest.mark.parametrize("name", ["all-features", "l-not-multiple"])
+def test_replayed_calls_compute_each_calls_own_inputs(name, monkeypatch):
+    """The public forward called three times with fresh inputs of one signature: the first call
+    runs in full, the second traces its plan and runs it, the third replays it (``ssd.api``):
+    each returns its own inputs' y and final states, with every buffer poisoned."""
+    from ssd import api
+
+    api._plans.clear()
+    spec = SHAPES[name]
+    keys = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states", "seq_idx")
+    replays = []
+    monkeypatch.setattr(api.Plan, "replay", lambda self, *a, replay=api.Plan.replay:
+                        replays.append(1) or replay(self, *a))
+    for seed in (5, 6, 7):
+        _, t, ref, _ = problem(spec, seed)
+        y, final = emulated(api.mamba_chunk_scan_combined, **{k: t.get(k) for k in keys},
+                            chunk_size=spec.chunk_size, dt_softplus=spec.dt_softplus,
+                            dt_limit=spec.dt_limit, config=FORWARD["small-tiles"],
+                            return_final_states=True)
+        close(y, ref["y"], f"y, call {seed - 4}")
+        close(final, ref["final_states"], f"final_states, call {seed - 4}")
+    assert replays == [1, 1], "the second call (tracing) and the third ran the plan"
+    api._plans.clear()
 
 
 @pytest.mark.parametrize("config", ["small-tiles", "grouped-walk"])

@@ -29,9 +29,12 @@ Three kernels, each with one job:
    which the gate's gradient needs.
 3. ``states``: dprev_states, one (chunk, head, ``block_n`` state columns) per block.
 
-A (column or row) block walks the heads of its group in order and keeps dB (dC) in registers
-across them, so the sum over a group's heads needs neither atomics nor a per-head buffer: every
-output element is written by one block, in a fixed order, and reruns are bitwise identical.
+A (column or row) block walks a run of its group's heads in order (all of them, or one of
+``head_splits`` equal runs) and keeps dB (dC) in registers across them, so the sum over a group's
+heads needs no atomics: every output element is written by one block, in a fixed order, and the
+runs' partial sums are added after the kernels in a fixed order too, so reruns are bitwise
+identical. Splitting trades a (b, l, g * head_splits, n) buffer for blocks: with one group and
+few chunks, one run a group leaves most SMs idle (:func:`ssd.config.head_splits`).
 The tiles C Bᵀ, dW and the decays live only in registers, as in the forward: no (q x q) matrix
 reaches memory. MMA operands are rounded to x's dtype (as the forward rounds its weights),
 accumulation and the elementwise gradients (ddt_out, ddA_cumsum) are fp32.
@@ -44,11 +47,12 @@ The gate and skip connection (D, z) are elementwise and stay in PyTorch around t
 (:func:`ssd.backward.chunk_scan_backward_cutile`, the drop-in for ``chunk_scan_backward_torch``).
 """
 import functools
+import math
 
 import cuda.tile as ct
 
-from ..config import ScanBackwardConfig, next_pow2
-from ..launch import array_type, chunk_seq_last, index_dtype_for, launch, optional
+from ..config import ScanBackwardConfig, head_splits, next_pow2
+from ..launch import array_type, chunk_seq_last, gpu_facts, index_dtype_for, launch, optional
 from .tiles import ConstBool, ConstInt, LOG2E, ZERO
 
 #: The kernels hold a whole head's channels in one tile (and the state's width, up to
@@ -93,6 +97,14 @@ def positions(j, BLOCK_Q):
     return j * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
 
 
+def head_run(part, heads_per_group, head_splits):
+    """Tile code: (group, first head, heads) of grid index ``part`` along the grid's (group,
+    split) axis: split ``part % head_splits`` of group ``part // head_splits``."""
+    ig = part // head_splits
+    heads = heads_per_group // head_splits
+    return ig, ig * heads_per_group + (part % head_splits) * heads, heads
+
+
 def pair_keep(t_pos, s_pos, seq_t, seq_s, HAS_SEQ):
     """Tile code: True where row t takes column s: s <= t and, with HAS_SEQ, one sequence.
     Positions and sequence ids come shaped to broadcast ([T, 1] and [1, S], or the transpose),
@@ -118,11 +130,13 @@ def masked_decay(seg, keep):
 # --------------------------------------------------------------------------------------------
 
 
-def column_block(ib, ic, ig, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB, ddt_out,
-                 ddA_cumsum, seqlen, heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ):
-    """Tile code: column block ``js`` of chunk ``ic`` (batch row ``ib``) for every head of group
-    ``ig``: stores dx [S, P] and ddt_out, ddA_cumsum (its column part) [S] per head and dB
-    [S, N] summed over the heads."""
+def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB, ddt_out,
+                 ddA_cumsum, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD,
+                 HAS_SEQ):
+    """Tile code: column block ``js`` of chunk ``ic`` (batch row ``ib``) for the run of heads
+    ``part`` (:func:`head_run`): stores dx [S, P] and ddt_out, ddA_cumsum (its column part) [S]
+    per head and dB [S, N] summed over the run's heads, at ``part`` of dB's third axis."""
+    ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     cols = ic * q_tiles + js  # the column block, in BLOCK_Q tiles of the sequence
     if ic * Q + js * BLOCK_Q < seqlen:
@@ -133,9 +147,8 @@ def column_block(ib, ic, ig, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB
         # row blocks up to the last one holding a position of the sequence (a tile wholly past
         # its end is undefined for load)
         t_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_Q)
-        db = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [S, N], the group's heads summed
-        for j in range(heads_per_group):
-            ih = ig * heads_per_group + j
+        db = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [S, N], the run's heads summed
+        for ih in range(first, first + heads):
             a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q)  # [S]
             dt_s = chunk_row(dt_out, ib, ih, ic, js, BLOCK_Q)  # [S]
             x_s = rows_of(x, ib, cols, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [S, P]
@@ -168,11 +181,10 @@ def column_block(ib, ic, ig, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB
             ct.store(dx, index=(ib, cols, ih, 0), tile=dxs.reshape((1, BLOCK_Q, 1, P_PAD)))
             ct.store(ddt_out, index=(ib, ih, ic, js), tile=ddt.reshape((1, 1, 1, BLOCK_Q)))
             ct.store(ddA_cumsum, index=(ib, ih, ic, js), tile=dda.reshape((1, 1, 1, BLOCK_Q)))
-        ct.store(dB, index=(ib, cols, ig, 0), tile=db.reshape((1, BLOCK_Q, 1, N_PAD)))
+        ct.store(dB, index=(ib, cols, part, 0), tile=db.reshape((1, BLOCK_Q, 1, N_PAD)))
     else:  # wholly past the sequence end: the (b, h, c, q) gradients are 0 there
         nothing = ct.zeros((1, 1, 1, BLOCK_Q), dtype=ct.float32)
-        for j in range(heads_per_group):
-            ih = ig * heads_per_group + j
+        for ih in range(first, first + heads):
             ct.store(ddt_out, index=(ib, ih, ic, js), tile=nothing)
             ct.store(ddA_cumsum, index=(ib, ih, ic, js), tile=nothing)
 
@@ -182,14 +194,15 @@ def column_block(ib, ic, ig, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB
 # --------------------------------------------------------------------------------------------
 
 
-def row_block(ib, ic, ig, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_idx, seq_last, dC,
-              ddA_cumsum, y_ssm, seqlen, heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ,
-              REBUILD_Y):
-    """Tile code: row block ``it`` of chunk ``ic`` (batch row ``ib``) for every head of group
-    ``ig``: adds the row and entering-state parts of ddA_cumsum [T] to the column part stored
-    by ``columns``, per head; stores dC [T, N] summed over the heads and, REBUILD_Y, y_ssm
-    [T, P] per head. A tile wholly past the sequence end is left alone (``columns`` wrote its
-    ddA_cumsum: zeros)."""
+def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
+              dC, ddA_cumsum, y_ssm, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD,
+              N_PAD, HAS_SEQ, REBUILD_Y):
+    """Tile code: row block ``it`` of chunk ``ic`` (batch row ``ib``) for the run of heads
+    ``part`` (:func:`head_run`): adds the row and entering-state parts of ddA_cumsum [T] to the
+    column part stored by ``columns``, per head; stores dC [T, N] summed over the run's heads, at
+    ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. A tile wholly past the
+    sequence end is left alone (``columns`` wrote its ddA_cumsum: zeros)."""
+    ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     rows = ic * q_tiles + it  # the row block, in BLOCK_Q tiles of the sequence
     if ic * Q + it * BLOCK_Q < seqlen:
@@ -199,9 +212,8 @@ def row_block(ib, ic, ig, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_i
             seq_t = sequence_ids(seq_idx, ib, rows, BLOCK_Q)
             enters = seq_t == entering_sequence(seq_last, ib, ic)  # [T] t continues the
             # sequence whose state enters the chunk
-        dc = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [T, N], the group's heads summed
-        for j in range(heads_per_group):
-            ih = ig * heads_per_group + j
+        dc = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [T, N], the run's heads summed
+        for ih in range(first, first + heads):
             a_t = chunk_row(dA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T]
             dy_f = rows_of(dy, ib, rows, ih, 0, BLOCK_Q, P_PAD, ct.float32)  # [T, P]
             dy_t = dy_f.astype(x.dtype)  # the MMA operand
@@ -249,7 +261,7 @@ def row_block(ib, ic, ig, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_i
                      tile=(col + dda).reshape((1, 1, 1, BLOCK_Q)))
             if REBUILD_Y:
                 ct.store(y_ssm, index=(ib, rows, ih, 0), tile=y.reshape((1, BLOCK_Q, 1, P_PAD)))
-        ct.store(dC, index=(ib, rows, ig, 0), tile=dc.reshape((1, BLOCK_Q, 1, N_PAD)))
+        ct.store(dC, index=(ib, rows, part, 0), tile=dc.reshape((1, BLOCK_Q, 1, N_PAD)))
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,22 +307,24 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
         dA_cumsum: Array,   # (b, h, c, q) fp32
         seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
         dx: Array,          # (b, l, h, p) fp32 out
-        dB: Array,          # (b, l, g, n) fp32 out
+        dB: Array,          # (b, l, g * head_splits, n) fp32 out: each run's sum
         ddt_out: Array,     # (b, h, c, q) fp32 out
         ddA_cumsum: Array,  # (b, h, c, q) fp32 out: the column part
         seqlen: int,
         nchunks: int,
         heads_per_group: int,
+        head_splits: int,
         Q: ConstInt,
         BLOCK_Q: ConstInt,
         P_PAD: ConstInt,
         N_PAD: ConstInt,
         HAS_SEQ: ConstBool,
     ):
-        """Grid: (b * c, g, q / BLOCK_Q), one column block of one chunk and group a block."""
+        """Grid: (b * c, g * head_splits, q / BLOCK_Q), one column block of one chunk and run
+        of heads a block."""
         column_block(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), x, B, C, dy,
                      dt_out, dA_cumsum, seq_idx, dx, dB, ddt_out, ddA_cumsum, seqlen,
-                     heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ)
+                     heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ)
 
     @ct.kernel(occupancy=occupancy)
     def chunk_scan_backward_rows_kernel(
@@ -323,12 +337,13 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
         prev_states: Array,  # (b, c, h, p, n) the entering states, any float dtype
         seq_idx: Array,      # (b, l) int32 (ignored unless HAS_SEQ)
         seq_last: Array,     # (b, c) int32: seq_idx at each chunk's last valid position
-        dC: Array,           # (b, l, g, n) fp32 out
+        dC: Array,           # (b, l, g * head_splits, n) fp32 out: each run's sum
         ddA_cumsum: Array,   # (b, h, c, q) fp32 in: the column part; out: the whole
         y_ssm: Array,        # (b, l, h, p) fp32 out (ignored unless REBUILD_Y)
         seqlen: int,
         nchunks: int,
         heads_per_group: int,
+        head_splits: int,
         Q: ConstInt,
         BLOCK_Q: ConstInt,
         P_PAD: ConstInt,
@@ -336,11 +351,11 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
         HAS_SEQ: ConstBool,
         REBUILD_Y: ConstBool,
     ):
-        """Grid: (b * c, g, q / BLOCK_Q), one row block of one chunk and group a block; after
-        the columns kernel, whose ddA_cumsum it completes."""
+        """Grid: (b * c, g * head_splits, q / BLOCK_Q), one row block of one chunk and run of
+        heads a block; after the columns kernel, whose ddA_cumsum it completes."""
         row_block(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), x, B, C, dy,
                   dt_out, dA_cumsum, prev_states, seq_idx, seq_last, dC, ddA_cumsum, y_ssm, seqlen,
-                  heads_per_group, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, REBUILD_Y)
+                  heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, REBUILD_Y)
 
     @ct.kernel(occupancy=occupancy)
     def chunk_scan_backward_states_kernel(
@@ -384,12 +399,15 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         seq_idx: optional (b, l) int32; seq_last: its (b, c) int32 value at each chunk's last
             valid position (:func:`ssd.launch.chunk_seq_last`; None computes it).
         config: the tiles, fitted to the problem and x's dtype here
-            (:meth:`ScanBackwardConfig.for_problem`).
+            (:meth:`ScanBackwardConfig.for_problem`), and the splits of a group's heads (None:
+            :func:`ssd.config.head_splits` for x's GPU).
         rebuild_y: also return y's SSM part, y_ssm (b, l, h, p) fp32 (the gate's gradient reads
             it).
     Returns:
         dict of fp32 tensors: dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
         (b, h, c, q), dprev_states (b, c, h, p, n), and with rebuild_y y_ssm (b, l, h, p).
+    Raises:
+        ValueError: config.head_splits does not divide the heads per group.
     """
     import torch
 
@@ -398,8 +416,13 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     _, _, nchunks, q = dt_out.shape
     dev, f = x.device, torch.float32
     config = config.for_problem(q, n, x.dtype)
-    out = dict(dB=torch.empty((b, l, g, n), dtype=f, device=dev),
-               dC=torch.empty((b, l, g, n), dtype=f, device=dev),
+    grid = (b * nchunks, g, q // config.block_q)
+    splits = config.head_splits or head_splits(math.prod(grid), h // g, gpu_facts(dev)[1])
+    if (h // g) % splits:
+        raise ValueError(f"head_splits={splits} must divide the heads per group ({h // g})")
+    grid = (grid[0], g * splits, grid[2])
+    out = dict(dB=torch.empty((b, l, g * splits, n), dtype=f, device=dev),
+               dC=torch.empty((b, l, g * splits, n), dtype=f, device=dev),
                dx=torch.empty((b, l, h, p), dtype=f, device=dev),
                ddt_out=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
                ddA_cumsum=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
@@ -416,8 +439,7 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
                  HAS_SEQ=has_seq)
     diagonal = dict(x=x, B=B, C=C, dy=dy, dt_out=dt_out, dA_cumsum=dA_cumsum, seq_idx=seq_idx,
                     ddA_cumsum=out["ddA_cumsum"], BLOCK_Q=config.block_q, N_PAD=next_pow2(n),
-                    **sizes)
-    grid = (b * nchunks, g, q // config.block_q)
+                    head_splits=splits, **sizes)
     launch(columns, grid, dict(dx=out["dx"], dB=out["dB"], ddt_out=out["ddt_out"], **diagonal),
            device=dev)
     # after columns, on the same stream: rows adds to the ddA_cumsum columns stored
@@ -428,6 +450,9 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         dy=dy, C=C, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,
         dprev_states=out["dprev_states"], BLOCK_K=config.block_k, BLOCK_N=config.block_n,
         **sizes), device=dev)
+    if splits > 1:  # the runs' partial sums, added in a fixed order
+        for k in ("dB", "dC"):
+            out[k] = out[k].view(b, l, g, splits, n).sum(3)
     if rebuild_y:
         out["y_ssm"] = y_ssm
     return out
