@@ -126,6 +126,7 @@ def test_config_space_varies_one_factor_at_a_time_around_the_default(dims, at64,
 
 def test_recorded_results_replay_on_a_cpu(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(recordings, "RESULTS", tmp_path)
+    monkeypatch.setattr(recordings, "DEFAULT_GPU", "h200")  # the book's GPU, whichever it is
     monkeypatch.setattr(recordings, "gpu_available", lambda: False)
     with pytest.raises(FileNotFoundError, match="no recorded result"):
         recordings.live_or_recorded("thing", lambda: {"never": "called"})
@@ -143,6 +144,7 @@ def test_a_gpu_machine_reads_its_own_nested_recording_or_the_books(tmp_path, mon
     import torch
 
     monkeypatch.setattr(recordings, "RESULTS", tmp_path)
+    monkeypatch.setattr(recordings, "DEFAULT_GPU", "h200")
     monkeypatch.setattr(recordings, "gpu_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     for gpu, v in (("h200", "book"), ("h100", "own")):
