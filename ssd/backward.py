@@ -249,15 +249,17 @@ def chunk_cumsum_backward_torch(ddt_out, ddA_cumsum, dt, A, chunk_size, dt_bias=
     return out
 
 
-def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None):
+def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *, dx_into=None):
     """The backward of stage 2 (``ssd.reference_backward.chunk_state_backward``).
 
     Args:
         dstates: (b, c, h, p, n) gradient of states.
         B, x, dt_out, dA_cumsum, seq_idx: the forward's arguments.
+        dx_into: optional (b, l, h, p) tensor in dstates' dtype, x's other gradient (chunk_scan's):
+            this stage's dx is added into it, in place, and it is returned as dx.
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions, in dstates' dtype.
+        stage's contributions (dx: plus dx_into's), in dstates' dtype.
     """
     b, l, h, p, g, n, c, q = _group_sizes(x, B, dA_cumsum)
     r, f = h // g, dstates.dtype
@@ -277,7 +279,8 @@ def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None):
     dexponent = dweight * w
     ddA = -dexponent
     ddA[:, :, -1] += dexponent.sum(2)
-    return {"dB": _unchunk(dB_c, l), "dx": _unchunk(dx_c, l).reshape(b, l, h, p),
+    dx = _unchunk(dx_c, l).reshape(b, l, h, p)
+    return {"dB": _unchunk(dB_c, l), "dx": dx if dx_into is None else dx_into.add_(dx),
             "ddt_out": _by_head(dweight) * decay, "ddA_cumsum": _by_head(ddA)}
 
 
@@ -607,14 +610,16 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     # 3. state_passing: back over the chunks, from the final state's gradient
     passing = stage.state_passing(scan.pop("dprev_states"), prev_states, dA_cumsum,
                                   initial_states, seq_idx, dfinal_states=dfinal_states)
-    # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum
-    state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx)
+    # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum; its dx
+    #    is added into chunk_scan's in place (no third (b, l, h, p) buffer, no sum pass)
+    state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx,
+                              dx_into=scan["dx"])
     # 1. chunk_cumsum: every stage's dt' and dA_cumsum gradients, back to dt, A, dt_bias
     cumsum = stage.chunk_cumsum(
         scan["ddt_out"] + state["ddt_out"],
         scan["ddA_cumsum"] + passing["ddA_cumsum"] + state["ddA_cumsum"],
         dt, A, chunk_size, dt_bias, dt_softplus, dt_limit, dt_out=dt_out)
-    out = {"dx": scan["dx"] + state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"],
+    out = {"dx": state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"],
            "dB": scan["dB"] + state["dB"], "dC": scan["dC"]}
     for key, value in (("dD", scan.get("dD")), ("dz", scan.get("dz")),
                        ("ddt_bias", cumsum.get("ddt_bias")),

@@ -151,6 +151,26 @@ def test_chunk_state_backward(name, tiles):
         close(got[k], want[k], k)
 
 
+@pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx"])
+def test_chunk_state_backward_adds_into_dx(name):
+    """With dx_into (chunk_scan's dx, as the backward passes it), the dx kernel adds its part
+    into that tensor in place, every element of it, padded tails included."""
+    spec, t, ref, g = problem(name)
+    prior = torch.randn(t["x"].shape, generator=torch.Generator().manual_seed(3))
+    into = prior.clone()
+    want = TB.chunk_state_backward_torch(g["dstates"], t["B"].double(), t["x"].double(),
+                                         ref["dt_out"], ref["dA_cumsum"], t.get("seq_idx"))
+    got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), t["B"], t["x"],
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), t.get("seq_idx"),
+                   dx_into=into, config=SMALL_BACKWARD["state"])
+    assert got["dx"] is into
+    close(got["dx"], want["dx"] + prior.double(), "dx")
+    with pytest.raises(ValueError, match="dx_into: must be contiguous"):
+        STATE.chunk_state_backward_cutile(g["dstates"].float(), t["B"], t["x"],
+                                          ref["dt_out"].float(), ref["dA_cumsum"].float(),
+                                          dx_into=prior.transpose(1, 2).contiguous().transpose(1, 2))
+
+
 @pytest.mark.parametrize("tiles", CONFIGS)
 @pytest.mark.parametrize("name", SHAPES)
 def test_chunk_cumsum_backward(name, tiles):

@@ -87,7 +87,7 @@ def build_dx_kernel(index_dtype=ct.int32):
         dt_out: Array,      # (b, h, c, q)
         dA_cumsum: Array,   # (b, h, c, q)
         seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
-        dx: Array,          # (b, l, h, p) out
+        dx: Array,          # (b, l, h, p) out (in and out: += with ACCUMULATE)
         ddt_out: Array,     # (b, h, c, q) out
         ddA_cumsum: Array,  # (b, h, c, q) out
         seqlen: int,
@@ -100,6 +100,7 @@ def build_dx_kernel(index_dtype=ct.int32):
         BLOCK_P: ConstInt,
         BLOCK_N: ConstInt,
         HAS_SEQ: ConstBool,
+        ACCUMULATE: ConstBool,
     ):
         """Grid: (b * c, h); one block walks one chunk of one head."""
         ib = ct.bid(0) // nchunks
@@ -126,8 +127,12 @@ def build_dx_kernel(index_dtype=ct.int32):
                     dsb = ct.mma(bt.astype(ct.float32), ct.transpose(ds), dsb)  # [S, P]
                 xt = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
                              padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P)).astype(ct.float32)
+                dxt = w[:, None] * dsb  # [S, P]
+                if ACCUMULATE:  # x's other gradient, read and written back by this block alone
+                    dxt = dxt + ct.load(dx, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
+                                        padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P))
                 ct.store(dx, index=(ib, row, ih, ip),
-                         tile=(w[:, None] * dsb).reshape((1, BLOCK_S, 1, BLOCK_P)).astype(dx.dtype))
+                         tile=dxt.reshape((1, BLOCK_S, 1, BLOCK_P)).astype(dx.dtype))
                 dw = dw + ct.sum(xt * dsb, axis=1)  # [S]
             dexp = dw * w  # [S], the gradient of the exponent dA_cumsum[q-1] - dA_cumsum[s]
             total = total + ct.sum(dexp, axis=0, keepdims=True)
@@ -201,7 +206,7 @@ def build_db_kernel(index_dtype=ct.int32):
     return chunk_state_backward_dB_kernel
 
 
-def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *,
+def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *, dx_into=None,
                                 config: StateBackwardConfig = StateBackwardConfig()):
     """The backward of chunk_state in cuTile: the arguments and result of
     :func:`ssd.backward.chunk_state_backward_torch`, plus the tiles (``config``).
@@ -211,9 +216,11 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
         B: (b, l, g, n), x: (b, l, h, p), fp32 / bf16 / fp16, h a multiple of g.
         dt_out, dA_cumsum: (b, h, c, q), the forward's stage-1 outputs, c = ceil(l / q).
         seq_idx: optional (b, l) int32 / int64.
+        dx_into: optional contiguous (b, l, h, p) tensor in dstates' dtype, x's other gradient:
+            the kernel adds this stage's dx into it, in place, and it is returned as dx.
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions, in dstates' dtype, computed in fp32.
+        stage's contributions (dx: plus dx_into's), in dstates' dtype, computed in fp32.
     Raises:
         ValueError naming an argument of the wrong shape or dtype.
     """
@@ -236,7 +243,12 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
     dev, f = dstates.device, dstates.dtype
     dstates, B, x, dt_out, dA_cumsum = (t.contiguous() for t in (dstates, B, x, dt_out, dA_cumsum))
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
-    dx = torch.empty((b, l, h, p), device=dev, dtype=f)
+    if dx_into is not None:
+        check_array("dx_into", dx_into, (b, l, h, p), (f,))
+        if not dx_into.is_contiguous() or dx_into.device != dev:
+            raise ValueError(f"dx_into: must be contiguous and on {dev} (the kernel adds into it "
+                             f"in place), got {dx_into.device}, strides {dx_into.stride()}")
+    dx = torch.empty((b, l, h, p), device=dev, dtype=f) if dx_into is None else dx_into
     dB = torch.empty((b, l, g, n), device=dev, dtype=f)
     ddt_out = torch.empty((b, h, c, q), device=dev, dtype=f)
     ddA = torch.empty((b, h, c, q), device=dev, dtype=f)
@@ -250,6 +262,7 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
                   BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=seq is not None)
     index = index_dtype_for(dstates, B, x, dx)
     launch(build_dx_kernel(index), (b * c, h), dict(
-        shared, B=B, dx=dx, ddt_out=ddt_out, ddA_cumsum=ddA, n_tiles=n_tiles), device=dev)
+        shared, B=B, dx=dx, ddt_out=ddt_out, ddA_cumsum=ddA, n_tiles=n_tiles,
+        ACCUMULATE=dx_into is not None), device=dev)
     launch(build_db_kernel(index), (b * c, g, n_tiles), dict(shared, dB=dB), device=dev)
     return {"dB": dB, "dx": dx, "ddt_out": ddt_out, "ddA_cumsum": ddA}
