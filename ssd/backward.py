@@ -324,6 +324,23 @@ def state_passing_backward_torch(dprev_states, prev_states, dA_cumsum, initial_s
     return out
 
 
+def _skip(D, f):
+    """D as (h, 1) or (h, p) in dtype ``f``, to broadcast over (b, l, h, p); None for None."""
+    return None if D is None else (D.to(f)[:, None] if D.dim() == 1 else D.to(f))
+
+
+def _through_gate(dy, z):
+    """dy silu(z): the gradient of y = y_pre silu(z) that reaches y_pre, in dy's dtype."""
+    return dy * F.silu(z.to(dy.dtype))
+
+
+def _gate_grad(dy, y_pre, z):
+    """dz of y = y_pre silu(z), in dy's dtype: dy y_pre silu'(z), silu' = sig (1 + z (1 - sig))."""
+    zf = z.to(dy.dtype)
+    sig = torch.sigmoid(zf)
+    return dy * y_pre * sig * (1.0 + zf * (1.0 - sig))
+
+
 def _skip_and_gate_backward(dy, y_ssm, x, D, z):
     """The backward of y = (y_ssm + D x) silu(z) (``ssd.reference_backward``'s helper).
 
@@ -335,15 +352,11 @@ def _skip_and_gate_backward(dy, y_ssm, x, D, z):
         dy_ssm (b, l, h, p), dx_skip (b, l, h, p) or None, dD (D's shape) or None,
         dz (b, l, h, p) or None.
     """
-    f = dy.dtype
-    Dhp = None if D is None else (D.to(f)[:, None] if D.dim() == 1 else D.to(f))  # (h, 1|p)
+    Dhp = _skip(D, dy.dtype)  # (h, 1|p)
     dz = None
     if z is not None:
         y_pre = y_ssm() if Dhp is None else y_ssm() + Dhp * x  # the output before the gate
-        zf = z.to(f)
-        sig = torch.sigmoid(zf)
-        dz = dy * y_pre * sig * (1.0 + zf * (1.0 - sig))  # silu'(z) = sig (1 + z (1 - sig))
-        dy = dy * zf * sig  # through silu(z)
+        dy, dz = _through_gate(dy, z), _gate_grad(dy, y_pre, z)
     if Dhp is None:
         return dy, None, None, dz
     dD = torch.einsum("blhp,blhp->hp", dy, x)  # (h, p)
@@ -474,10 +487,11 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     """The backward of stage 4 with the cuTile kernels: ``chunk_scan_backward_torch``'s
     arguments and result (its docstring), on a GPU.
 
-    The gate and skip (D, z) are elementwise and run in PyTorch around the kernels'
-    launcher, :func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`:
-    dy reaches the SSM part as dy silu(z) before the kernels, and the gate's gradient reads the
-    SSM part of y, which the rows kernel rebuilds (``rebuild_y``).
+    The skip's gradients (D dy into dx, and dD) come from the columns kernel; the gate (z) runs
+    in PyTorch around the kernels' launcher,
+    :func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`: dy reaches the SSM part as
+    dy silu(z) before the kernels, and the gate's gradient reads the SSM part of y, which the
+    rows kernel rebuilds (``rebuild_y``).
 
     Args:
         dy: (b, l, h, p) gradient of y; B, C: (b, l, g, n); x: (b, l, h, p); z: optional
@@ -512,21 +526,19 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     if seq_idx is not None:
         seq_last = chunk_seq_last(seq_idx, dims["q"])
         seq_idx = seq_idx.to(torch.int32).contiguous()
-    # dy through the gate, dy silu(z): the product _skip_and_gate_backward forms below
-    zf = None if z is None else z.to(f)
-    dy_ssm = dy if z is None else dy.to(f) * zf * torch.sigmoid(zf)
-    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
-                              config or ScanBackwardConfig(), rebuild_y=z is not None)
-    if D is None and z is None:
-        return out
-    y_ssm = out.pop("y_ssm", None)
-    _, dx_skip, dD, dz = _skip_and_gate_backward(dy.to(f), lambda: y_ssm, x.to(f), D, z)
-    if dx_skip is not None:
-        out["dx"] += dx_skip
-    if dD is not None:
-        out["dD"] = dD
-    if dz is not None:
-        out["dz"] = dz
+    # dy through the gate: dy silu(z) before the kernels, dz from the output before the gate
+    # (the SSM part the rows kernel rebuilds, plus D x) after them
+    if z is None:
+        return chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
+                                   seq_last, config or ScanBackwardConfig(), D=D)
+    dy = dy.to(f)
+    out = chunk_scan_backward(_through_gate(dy, z), B, C, x, dt_out, dA_cumsum, prev_states,
+                              seq_idx, seq_last, config or ScanBackwardConfig(), rebuild_y=True,
+                              D=D)
+    y_pre = out.pop("y_ssm")
+    if D is not None:
+        y_pre += _skip(D, f) * x
+    out["dz"] = _gate_grad(dy, y_pre, z)
     return out
 
 

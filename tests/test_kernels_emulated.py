@@ -10,6 +10,7 @@ cases are l < q, l % q != 0, l = 1, several groups, packed sequences (seq_idx), 
 each optional input, tiles smaller than the chunk and the state.
 """
 import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -64,13 +65,15 @@ SHAPES = {
 
 
 # chunk_scan's backward also on a chunk of several default tiles (q128: 64-row tiles), eight
-# groups, a head width that is no power of two and one position
+# groups, a head width that is no power of two, one position, and D without z
 SCAN_SHAPES = {
     "q128": ProblemSpec(2, 300, 4, 24, 40, 2, chunk_size=128,
                         seq_boundaries=((5, 130, 200), (0, 64, 255)), name="q128"),
     "ngroups-8": ProblemSpec(1, 70, 16, 8, 8, 8, chunk_size=32, seq_boundaries=((10, 33, 64),),
                              name="ngroups-8"),
     "headdim-not-pow2": EDGE_SHAPES["headdim-not-pow2"],
+    "D-per-head": EDGE_SHAPES["D-per-head"],        # the skip's gradients in the columns kernel,
+    "D-per-channel": EDGE_SHAPES["D-per-channel"],  # without a gate around them
     "l-one-q32": ProblemSpec(2, 1, 4, 16, 16, 1, chunk_size=32, name="l-one-q32"),
 }
 
@@ -276,10 +279,10 @@ def _end_decay_one_early(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K // 2 - 1,), shape=(1,))
 
 
-def _columns_without_the_tail(ib, ic, ig, js, *rest):
-    seqlen, Q, BLOCK_Q = rest[11], rest[14], rest[15]
-    if ic * Q + js * BLOCK_Q < seqlen:  # the mutation: tiles past the end left unwritten
-        SCAN_COLUMN_BLOCK(ib, ic, ig, js, *rest)
+def _columns_without_the_tail(*args):
+    a = inspect.signature(SCAN_COLUMN_BLOCK).bind(*args).arguments
+    if a["ic"] * a["Q"] + a["js"] * a["BLOCK_Q"] < a["seqlen"]:  # the mutation: tiles past the
+        SCAN_COLUMN_BLOCK(*args)  # end left unwritten
 
 
 SCAN_COLUMN_BLOCK = SCAN.column_block

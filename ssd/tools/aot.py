@@ -229,7 +229,8 @@ def capture_backward(dtype: str, features: str):
         chunk_scan_backward(torch.randn(b, l, h, p), torch.randn(b, l, g, n, dtype=t),
                             torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
                             dt_out, -torch.rand(b, h, c, q), torch.randn(b, c, h, p, n, dtype=t),
-                            seq_idx=seq_idx, config=ScanBackwardConfig(), rebuild_y=every)
+                            seq_idx=seq_idx, config=ScanBackwardConfig(), rebuild_y=every,
+                            D=torch.randn(h) if every else None)
         passing = state_passing_backward_cutile(
             torch.randn(b, c, h, p, n), torch.randn(b, c, h, p, n, dtype=t),
             -torch.rand(b, h, c, q), torch.randn(b, h, p, n) if every else None, seq_idx,
