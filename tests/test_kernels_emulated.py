@@ -116,7 +116,7 @@ def emulated(launcher, *args, **kwargs):
 # --- backward stages --------------------------------------------------------------------------
 
 SMALL_BACKWARD = dict(cumsum=CumsumBackwardConfig(block_h=2, block_rows=2),
-                      state=StateBackwardConfig(block_s=8, block_p=8, block_n=4),
+                      state=StateBackwardConfig(block_s=8, block_p=8, block_n=4, head_splits=1),
                       passing=PassingBackwardConfig(block_p=8, block_n=4),
                       scan=ScanBackwardConfig(block_q=8, block_k=8, block_n=4, head_splits=1))
 CONFIGS = {"default": {}, "small-tiles": SMALL_BACKWARD}

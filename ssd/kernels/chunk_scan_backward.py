@@ -57,7 +57,7 @@ import cuda.tile as ct
 
 from ..config import ScanBackwardConfig, head_splits, next_pow2
 from ..launch import array_type, chunk_seq_last, gpu_facts, index_dtype_for, launch, optional
-from .tiles import ConstBool, ConstInt, LOG2E, ZERO
+from .tiles import ConstBool, ConstInt, LOG2E, ZERO, head_run
 
 #: The kernels hold a whole head's channels in one tile (and the state's width, up to
 #: ``ssd.api.MAX_DSTATE``).
@@ -101,14 +101,6 @@ def positions(j, BLOCK_Q):
     return j * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
 
 
-def head_run(part, heads_per_group, head_splits):
-    """Tile code: (group, first head, heads) of grid index ``part`` along the grid's (group,
-    split) axis: split ``part % head_splits`` of group ``part // head_splits``."""
-    ig = part // head_splits
-    heads = heads_per_group // head_splits
-    return ig, ig * heads_per_group + (part % head_splits) * heads, heads
-
-
 def pair_keep(t_pos, s_pos, seq_t, seq_s, HAS_SEQ):
     """Tile code: True where row t takes column s: s <= t and, with HAS_SEQ, one sequence.
     Positions and sequence ids come shaped to broadcast ([T, 1] and [1, S], or the transpose),
@@ -138,9 +130,9 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, d
                  ddA_cumsum, dD_parts, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD,
                  N_PAD, HAS_SEQ, HAS_D):
     """Tile code: column block ``js`` of chunk ``ic`` (batch row ``ib``) for the run of heads
-    ``part`` (:func:`head_run`): stores dx [S, P] and ddt_out, ddA_cumsum (its column part) [S]
-    per head and dB [S, N] summed over the run's heads, at ``part`` of dB's third axis; HAS_D,
-    dx with the skip's D dy and, per head, the block's part of dD [P]."""
+    ``part`` (:func:`.tiles.head_run`): stores dx [S, P] and ddt_out, ddA_cumsum (its column
+    part) [S] per head and dB [S, N] summed over the run's heads, at ``part`` of dB's third
+    axis; HAS_D, dx with the skip's D dy and, per head, the block's part of dD [P]."""
     ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     cols = ic * q_tiles + js  # the column block, in BLOCK_Q tiles of the sequence
@@ -212,10 +204,10 @@ def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq
               dC, ddA_cumsum, y_ssm, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD,
               N_PAD, HAS_SEQ, REBUILD_Y):
     """Tile code: row block ``it`` of chunk ``ic`` (batch row ``ib``) for the run of heads
-    ``part`` (:func:`head_run`): adds the row and entering-state parts of ddA_cumsum [T] to the
-    column part stored by ``columns``, per head; stores dC [T, N] summed over the run's heads, at
-    ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. A tile wholly past the
-    sequence end is left alone (``columns`` wrote its ddA_cumsum: zeros)."""
+    ``part`` (:func:`.tiles.head_run`): adds the row and entering-state parts of ddA_cumsum [T]
+    to the column part stored by ``columns``, per head; stores dC [T, N] summed over the run's
+    heads, at ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. A tile wholly
+    past the sequence end is left alone (``columns`` wrote its ddA_cumsum: zeros)."""
     ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     rows = ic * q_tiles + it  # the row block, in BLOCK_Q tiles of the sequence
