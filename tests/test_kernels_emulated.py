@@ -469,6 +469,28 @@ def test_gated_rmsnorm(group_size):
     close(got, torch.from_numpy(want), "gated_rmsnorm")
 
 
+@pytest.mark.parametrize("group_size", [12, 4, 3])
+def test_gated_rmsnorm_backward(group_size, monkeypatch):
+    """The norm's backward kernel against layer_autograd's PyTorch backward in float64: dy and
+    dz in y's and z's dtypes, dweight from the blocks' parts; z a column slice (strided rows).
+    Tiles of 8 elements: a group of 12 in two channel tiles (the second part-filled), of 4 or 3
+    two rows a block (15 rows: the last block part-filled)."""
+    from ssd.layer_autograd import gated_rmsnorm_backward
+
+    monkeypatch.setattr(NORM, "BACKWARD_TILE", 8)
+    rng = np.random.default_rng(9)
+    y, dout = (torch.from_numpy(rng.standard_normal((3, 5, 12))).float() for _ in range(2))
+    zx = torch.from_numpy(rng.standard_normal((3, 5, 20))).float()
+    z = zx[..., 4:16]  # in_proj's z columns, read in place
+    weight = torch.from_numpy(rng.standard_normal(12)).float()
+    got = emulated(NORM.gated_rmsnorm_backward, dout, y, z, weight, group_size, 1e-5)
+    want = gated_rmsnorm_backward(dout.double(), y.double(), z.double(), weight.double(),
+                                  group_size, 1e-5)
+    assert list(got) == list(want)
+    for k in want:
+        close(got[k], want[k], k)
+
+
 @pytest.mark.parametrize("per_head", [True, False])
 def test_state_update(per_head):
     """The decode step: y and the state rows it advances in place (a padding entry, -1, touches
