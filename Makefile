@@ -105,7 +105,7 @@ BACKWARD_3 ?= small-state
 .PHONY: gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
-  gpu-results gpu-tilegym gpu-tilegym-backward
+  gpu-results gpu-tilegym gpu-tilegym-backward gpu-backward-stages
 gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
@@ -178,6 +178,12 @@ gpu-tilegym-backward:
 	    --out results/$$($(GPU_PYTHON) -m ssd.tools.env --slug)/backward_tilegym_tuned.json \
 	    || exit 1; \
 	done
+
+# make gpu-backward-stages: each stage of our backward timed alone at chunk 64 and 256, and
+# chunk_scan's backward at several splits of a group's heads (ssd.tools.backward_stages): where
+# the backward's time goes, to tune it. Not part of make gpu (no chapter reads it yet).
+gpu-backward-stages:
+	$(GPU_PYTHON) -m ssd.tools.backward_stages --head-splits 1,2,4,8,16 --reps 30
 
 # make gpu-tilegym: TileGym's own autotuner on each models shape (an exhaustive search, minutes a
 # shape), its chosen configurations kept in results/tilegym_tuned.json for gpu-bench to replay.

@@ -249,15 +249,17 @@ def chunk_cumsum_backward_torch(ddt_out, ddA_cumsum, dt, A, chunk_size, dt_bias=
     return out
 
 
-def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None):
+def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *, dx_into=None):
     """The backward of stage 2 (``ssd.reference_backward.chunk_state_backward``).
 
     Args:
         dstates: (b, c, h, p, n) gradient of states.
         B, x, dt_out, dA_cumsum, seq_idx: the forward's arguments.
+        dx_into: optional (b, l, h, p) tensor in dstates' dtype, x's other gradient (chunk_scan's):
+            this stage's dx is added into it, in place, and it is returned as dx.
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions, in dstates' dtype.
+        stage's contributions (dx: plus dx_into's), in dstates' dtype.
     """
     b, l, h, p, g, n, c, q = _group_sizes(x, B, dA_cumsum)
     r, f = h // g, dstates.dtype
@@ -277,7 +279,8 @@ def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None):
     dexponent = dweight * w
     ddA = -dexponent
     ddA[:, :, -1] += dexponent.sum(2)
-    return {"dB": _unchunk(dB_c, l), "dx": _unchunk(dx_c, l).reshape(b, l, h, p),
+    dx = _unchunk(dx_c, l).reshape(b, l, h, p)
+    return {"dB": _unchunk(dB_c, l), "dx": dx if dx_into is None else dx_into.add_(dx),
             "ddt_out": _by_head(dweight) * decay, "ddA_cumsum": _by_head(ddA)}
 
 
@@ -321,6 +324,23 @@ def state_passing_backward_torch(dprev_states, prev_states, dA_cumsum, initial_s
     return out
 
 
+def _skip(D, f):
+    """D as (h, 1) or (h, p) in dtype ``f``, to broadcast over (b, l, h, p); None for None."""
+    return None if D is None else (D.to(f)[:, None] if D.dim() == 1 else D.to(f))
+
+
+def _through_gate(dy, z):
+    """dy silu(z): the gradient of y = y_pre silu(z) that reaches y_pre, in dy's dtype."""
+    return dy * F.silu(z.to(dy.dtype))
+
+
+def _gate_grad(dy, y_pre, z):
+    """dz of y = y_pre silu(z), in dy's dtype: dy y_pre silu'(z), silu' = sig (1 + z (1 - sig))."""
+    zf = z.to(dy.dtype)
+    sig = torch.sigmoid(zf)
+    return dy * y_pre * sig * (1.0 + zf * (1.0 - sig))
+
+
 def _skip_and_gate_backward(dy, y_ssm, x, D, z):
     """The backward of y = (y_ssm + D x) silu(z) (``ssd.reference_backward``'s helper).
 
@@ -332,15 +352,11 @@ def _skip_and_gate_backward(dy, y_ssm, x, D, z):
         dy_ssm (b, l, h, p), dx_skip (b, l, h, p) or None, dD (D's shape) or None,
         dz (b, l, h, p) or None.
     """
-    f = dy.dtype
-    Dhp = None if D is None else (D.to(f)[:, None] if D.dim() == 1 else D.to(f))  # (h, 1|p)
+    Dhp = _skip(D, dy.dtype)  # (h, 1|p)
     dz = None
     if z is not None:
         y_pre = y_ssm() if Dhp is None else y_ssm() + Dhp * x  # the output before the gate
-        zf = z.to(f)
-        sig = torch.sigmoid(zf)
-        dz = dy * y_pre * sig * (1.0 + zf * (1.0 - sig))  # silu'(z) = sig (1 + z (1 - sig))
-        dy = dy * zf * sig  # through silu(z)
+        dy, dz = _through_gate(dy, z), _gate_grad(dy, y_pre, z)
     if Dhp is None:
         return dy, None, None, dz
     dD = torch.einsum("blhp,blhp->hp", dy, x)  # (h, p)
@@ -471,10 +487,11 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     """The backward of stage 4 with the cuTile kernels: ``chunk_scan_backward_torch``'s
     arguments and result (its docstring), on a GPU.
 
-    The gate and skip (D, z) are elementwise and run in PyTorch around the kernels'
-    launcher, :func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`:
-    dy reaches the SSM part as dy silu(z) before the kernels, and the gate's gradient reads the
-    SSM part of y, which the rows kernel rebuilds (``rebuild_y``).
+    The skip's gradients (D dy into dx, and dD) come from the columns kernel; the gate (z) runs
+    in PyTorch around the kernels' launcher,
+    :func:`ssd.kernels.chunk_scan_backward.chunk_scan_backward`: dy reaches the SSM part as
+    dy silu(z) before the kernels, and the gate's gradient reads the SSM part of y, which the
+    rows kernel rebuilds (``rebuild_y``).
 
     Args:
         dy: (b, l, h, p) gradient of y; B, C: (b, l, g, n); x: (b, l, h, p); z: optional
@@ -509,21 +526,19 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     if seq_idx is not None:
         seq_last = chunk_seq_last(seq_idx, dims["q"])
         seq_idx = seq_idx.to(torch.int32).contiguous()
-    # dy through the gate, dy silu(z): the product _skip_and_gate_backward forms below
-    zf = None if z is None else z.to(f)
-    dy_ssm = dy if z is None else dy.to(f) * zf * torch.sigmoid(zf)
-    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
-                              config or ScanBackwardConfig(), rebuild_y=z is not None)
-    if D is None and z is None:
-        return out
-    y_ssm = out.pop("y_ssm", None)
-    _, dx_skip, dD, dz = _skip_and_gate_backward(dy.to(f), lambda: y_ssm, x.to(f), D, z)
-    if dx_skip is not None:
-        out["dx"] += dx_skip
-    if dD is not None:
-        out["dD"] = dD
-    if dz is not None:
-        out["dz"] = dz
+    # dy through the gate: dy silu(z) before the kernels, dz from the output before the gate
+    # (the SSM part the rows kernel rebuilds, plus D x) after them
+    if z is None:
+        return chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
+                                   seq_last, config or ScanBackwardConfig(), D=D)
+    dy = dy.to(f)
+    out = chunk_scan_backward(_through_gate(dy, z), B, C, x, dt_out, dA_cumsum, prev_states,
+                              seq_idx, seq_last, config or ScanBackwardConfig(), rebuild_y=True,
+                              D=D)
+    y_pre = out.pop("y_ssm")
+    if D is not None:
+        y_pre += _skip(D, f) * x
+    out["dz"] = _gate_grad(dy, y_pre, z)
     return out
 
 
@@ -607,14 +622,16 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     # 3. state_passing: back over the chunks, from the final state's gradient
     passing = stage.state_passing(scan.pop("dprev_states"), prev_states, dA_cumsum,
                                   initial_states, seq_idx, dfinal_states=dfinal_states)
-    # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum
-    state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx)
+    # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum; its dx
+    #    is added into chunk_scan's in place (no third (b, l, h, p) buffer, no sum pass)
+    state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx,
+                              dx_into=scan["dx"])
     # 1. chunk_cumsum: every stage's dt' and dA_cumsum gradients, back to dt, A, dt_bias
     cumsum = stage.chunk_cumsum(
         scan["ddt_out"] + state["ddt_out"],
         scan["ddA_cumsum"] + passing["ddA_cumsum"] + state["ddA_cumsum"],
         dt, A, chunk_size, dt_bias, dt_softplus, dt_limit, dt_out=dt_out)
-    out = {"dx": scan["dx"] + state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"],
+    out = {"dx": state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"],
            "dB": scan["dB"] + state["dB"], "dC": scan["dC"]}
     for key, value in (("dD", scan.get("dD")), ("dz", scan.get("dz")),
                        ("ddt_bias", cumsum.get("ddt_bias")),

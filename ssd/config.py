@@ -161,15 +161,22 @@ class ScanConfig:
 SCAN_BACKWARD_FP32_TILE = 32
 
 
-#: The blocks a SM that the backward's diagonal-block kernels aim for (two waves of two resident
-#: blocks), so that the latency of a block's walk over its heads is hidden. Untimed.
+def _check_splits(config):
+    if config.head_splits is not None and config.head_splits < 1:
+        raise ValueError(f"head_splits: expected None or a positive int, got {config.head_splits}")
+
+
+#: The blocks a SM that the backward's kernels summing over a group's heads aim for (two waves
+#: of two resident blocks), so that the latency of a block's walk over its heads is hidden.
+#: Untimed.
 BACKWARD_BLOCKS_PER_SM = 4
 
 
 def head_splits(blocks: int, heads_per_group: int, sms: int) -> int:
-    """The default ``ScanBackwardConfig.head_splits``: the fewest splits of a group's heads (a
-    divisor of ``heads_per_group``) that give a grid of ``blocks`` blocks a split at least
-    BACKWARD_BLOCKS_PER_SM blocks a SM on ``sms`` SMs, or one head a block. With one group and
+    """The default ``head_splits`` of ScanBackwardConfig and StateBackwardConfig: the fewest
+    splits of a group's heads (a divisor of ``heads_per_group``) that give a grid of ``blocks``
+    blocks a split at least BACKWARD_BLOCKS_PER_SM blocks a SM on ``sms`` SMs, or one head a
+    block. With one group and
     few chunks (2.7b: 256 blocks for 80 heads) one split would leave 132 SMs two blocks each,
     each walking 80 heads."""
     for splits in range(1, heads_per_group + 1):
@@ -200,8 +207,7 @@ class ScanBackwardConfig:
         for name in ("block_q", "block_k", "block_n"):
             _check_pow2(name, getattr(self, name))
         _check_hints(self)
-        if self.head_splits is not None and self.head_splits < 1:
-            raise ValueError(f"head_splits: expected None or a positive int, got {self.head_splits}")
+        _check_splits(self)
 
     def for_problem(self, chunk_size: int, dstate: int, input_dtype=None) -> "ScanBackwardConfig":
         """The tiles clamped to the chunk (``block_q``, ``block_k``) and to the state padded to a
@@ -371,17 +377,20 @@ class CumsumBackwardConfig:
 class StateBackwardConfig:
     """chunk_state's backward (:mod:`ssd.kernels.chunk_state_backward`): a block walks one
     chunk ``block_s`` positions at a time, its products over ``block_p`` channels and
-    ``block_n`` state entries a tile (both clamped to the problem). Untimed: 32 x 32 state
+    ``block_n`` state entries a tile (both clamped to the problem); dB's blocks walk one of
+    ``head_splits`` runs of a group's heads (as in ScanBackwardConfig). Untimed: 32 x 32 state
     tiles because at 64 x 64 both kernels compile for sm_90 to about 3 KB of stack a thread
     (spilled fp32 tiles), at 32 x 32 to under 0.4 KB (p 64, n 128, chunk 256)."""
 
     block_s: int = 64
     block_p: int = 32
     block_n: int = 32
+    head_splits: int | None = None
 
     def __post_init__(self):
         for name in ("block_s", "block_p", "block_n"):
             _check_pow2(name, getattr(self, name))
+        _check_splits(self)
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,13 @@
-"""The layer's conv and norm as ``torch.autograd.Function``s: the forward a kernel, the backward
-in PyTorch.
+"""The layer's conv and norm as ``torch.autograd.Function``s: the forward a kernel; the backward
+in PyTorch (the conv) or a kernel (the norm).
 
 :class:`CausalConv1d` and :class:`GatedRMSNorm` run an injected forward (the cuTile launchers of
 :mod:`ssd.layer_ops` on a GPU; in the CPU tests :func:`causal_conv1d_torch` and
 :func:`gated_rmsnorm_torch`, the same maths in PyTorch) and differentiate it with
-:func:`causal_conv1d_backward` and :func:`gated_rmsnorm_backward`, written from the maths below
-and checked against ``torch.autograd`` of the layer's PyTorch path in float64
-(tests/test_layer_kernels.py). :mod:`ssd.layer_ops` routes a call through them only where a
+:func:`causal_conv1d_backward` and an injected norm backward (:func:`gated_rmsnorm_backward`;
+on a GPU the cuTile kernel of :mod:`ssd.kernels.gated_rmsnorm`, checked against it). Both
+PyTorch backwards are written from the maths below and checked against ``torch.autograd`` of
+the layer's PyTorch path in float64 (tests/test_layer_kernels.py). :mod:`ssd.layer_ops` routes a call through them only where a
 gradient is required, so an inference call saves nothing and runs the kernel alone.
 
 The gradients (per element; sums run over every index the left side does not carry)
@@ -228,6 +229,9 @@ class NormOptions(NamedTuple):
     #: (y, z, weight, group_size, eps) -> (..., d) in y's dtype, on tensors that do not
     #: require grad
     forward: Callable
+    #: (dout, y, z, weight, group_size, eps) -> dict of dy, dz, dweight (any float dtype), on
+    #: tensors that do not require grad
+    backward: Callable
 
 
 class GatedRMSNorm(torch.autograd.Function):
@@ -244,14 +248,18 @@ class GatedRMSNorm(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         y, z, weight = ctx.saved_tensors
-        grads = gated_rmsnorm_backward(dout, y, z, weight, ctx.opts.group_size, ctx.opts.eps)
+        grads = ctx.opts.backward(dout, y.detach(), z.detach(), weight.detach(),
+                                  ctx.opts.group_size, ctx.opts.eps)
         return (None, *(grads[k].to(t.dtype) if ctx.needs_input_grad[i + 1] else None
                         for i, (k, t) in enumerate((("dy", y), ("dz", z), ("dweight", weight)))))
 
 
 def gated_rmsnorm(y, z, weight, group_size: int, eps: float, *,
-                  forward: Callable = gated_rmsnorm_torch):
-    """The differentiable norm: ``forward`` (default the PyTorch one) and the PyTorch backward.
-    Arguments as :func:`ssd.layer_ops.gated_rmsnorm` with group_size resolved (not validated
-    here). (..., d)."""
-    return GatedRMSNorm.apply(NormOptions(group_size, float(eps), forward), y, z, weight)
+                  forward: Callable = gated_rmsnorm_torch,
+                  backward: Callable = gated_rmsnorm_backward):
+    """The differentiable norm: ``forward`` and ``backward`` (default the PyTorch ones; on a GPU
+    :mod:`ssd.layer_ops` passes the cuTile kernels). Arguments as
+    :func:`ssd.layer_ops.gated_rmsnorm` with group_size resolved (not validated here).
+    (..., d)."""
+    return GatedRMSNorm.apply(NormOptions(group_size, float(eps), forward, backward), y, z,
+                              weight)

@@ -248,7 +248,8 @@ def gated_rmsnorm(y, z, weight, group_size=None, eps=1e-5, *,
                                    config=config, out=out)
 
     if requires_grad(y, z, weight):
-        return layer_autograd.gated_rmsnorm(y, z, weight, group_size, eps, forward=kernel)
+        return layer_autograd.gated_rmsnorm(y, z, weight, group_size, eps, forward=kernel,
+                                            backward=_norm.gated_rmsnorm_backward)
     return kernel(*_bare(y, z, weight), group_size, eps, out=out)
 
 

@@ -57,6 +57,24 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def torch_ops():
+    """A context manager class: inside ``with torch_ops() as ops``, ``ops.names`` lists the name
+    of every torch operator that runs (on a GPU each would be a launch of its own)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return Ops
+
+
+@pytest.fixture
 def git(tmp_path):
     """A new git repository in ``tmp_path`` (branch main): ``git(*args)`` runs git there and
     returns its stripped stdout (the tests of ssd.book.recordings's revision comparisons)."""

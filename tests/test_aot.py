@@ -26,7 +26,8 @@ BACKWARD_KERNELS = {"chunk_scan_backward_columns_kernel", "chunk_scan_backward_r
                     "chunk_cumsum_backward_kernel", "chunk_cumsum_backward_sum_kernel"}
 KERNELS = FORWARD_KERNELS | BACKWARD_KERNELS | {"chunk_state_varlen_kernel",
                                                 "state_update_kernel", "causal_conv1d_kernel",
-                                                "gated_rmsnorm_kernel", "conv_step_kernel"}
+                                                "gated_rmsnorm_kernel",
+                                                "gated_rmsnorm_backward_kernel", "conv_step_kernel"}
 
 
 # Every kernel for every arch in bf16, the dtype models run in: the forward (both feature sets,

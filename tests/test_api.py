@@ -156,30 +156,19 @@ def test_chunk_seq_last_reads_each_chunks_last_valid_position():
     assert chunk_seq_last(seq, 64).tolist() == [[2]]
 
 
-def test_forward_launches_only_its_three_kernels():
+def test_forward_launches_only_its_three_kernels(torch_ops):
     """A Mamba-2 layer's call (D per head, dt_bias, softplus) runs the three cuTile kernels and no
     torch kernel: no fill for absent inputs, no copy of D (on a GPU each is a launch of its own,
     in eager mode and in a CUDA graph)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from ssd import launch
     from ssd.api import forward_stages
     from ssd.config import default_config
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
 
     b, l, h, p, n = 1, 300, 8, 64, 128
     x = torch.randn(b, l, h, p, dtype=torch.bfloat16)
     B, C = (torch.randn(b, l, 1, n, dtype=torch.bfloat16) for _ in range(2))
     dt, A, D, bias = torch.randn(b, l, h, dtype=torch.bfloat16), -torch.rand(h), *torch.randn(2, h)
-    with launch.capture() as launches, Ops() as ops:
+    with launch.capture() as launches, torch_ops() as ops:
         forward_stages(x, dt, A, B, C, 128, D=D, dt_bias=bias, dt_softplus=True,
                        config=default_config((9, 0)))
     assert len(launches) == 3

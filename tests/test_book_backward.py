@@ -143,7 +143,7 @@ def test_kernel_table_reads_the_kernels_and_their_launches():
                             "chunk_scan_backward_states_kernel"]        # the order of the stages
     assert table.column("stage")[-1] == "`chunk_cumsum`"
     columns, rows = by["chunk_scan_backward_columns_kernel"], by["chunk_scan_backward_rows_kernel"]
-    assert columns["writes"] == "`dx`, `dB`, `ddt_out`, `ddA_cumsum`"
+    assert columns["writes"] == "`dx`, `dB`, `ddt_out`, `ddA_cumsum`, `dD_parts`"
     assert "`ddA_cumsum` (+=)" in rows["writes"] and "`prev_states`" in rows["reads"]
     splits = head_splits(d["b"] * d["c"] * d["g"] * 4, d["h"] // d["g"], CAPTURE_GPU[1])
     assert columns["blocks"] == d["b"] * d["c"] * d["g"] * splits * 4  # q / 64 column blocks

@@ -362,7 +362,8 @@ def test_conv_step_matches_float64_reference(name, dtype, gpu_record):
 # ----------------------------------------------------------------------------- training
 
 # The gradients of the mixer with kernels="cutile" (the kernels' forwards inside the autograd
-# Functions of ssd.layer_autograd, their PyTorch backwards) against the float64 layer's, beside
+# Functions of ssd.layer_autograd, the conv's PyTorch backward, the norm's backward kernel)
+# against the float64 layer's, beside
 # the same errors of kernels="torch" (autograd through nn.Conv1d and the eager norm), the SSD the
 # torch backend on every side. Each gradient's relative error in norm is allowed twice the torch
 # kernels' own (the dtype's roundings in in_proj, the SSD and out_proj, which both paths make)

@@ -13,7 +13,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("cuda.tile")
 
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from ssd import api, launch  # noqa: E402
 from ssd.config import FusedScanConfig, SSDConfig, StateConfig  # noqa: E402
@@ -130,18 +129,8 @@ def assert_same_launches(replayed, reference, caller):
                 assert a == b and type(a) is type(b)
 
 
-class Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_replay_launches_what_the_launchers_launch(case, checks):
+def test_a_replay_launches_what_the_launchers_launch(case, checks, torch_ops):
     args = CASES[case]()
     reference = uncached(args)
     caller = tensors(args)
@@ -153,7 +142,7 @@ def test_a_replay_launches_what_the_launchers_launch(case, checks):
     assert_same_launches(traced, reference, caller)
     plan = next(iter(api._plans.values()))
     assert plan.steps is not None, "every case is replayable"
-    with Ops() as ops:
+    with torch_ops() as ops:
         second, replayed = call(args)
     assert_same_launches(replayed, reference, caller)
     assert len(checks) == 1, "no call checks again"
@@ -167,13 +156,13 @@ def test_a_replay_launches_what_the_launchers_launch(case, checks):
     assert all(id(t) in written for t in outs(second)), "a returned tensor a kernel writes"
 
 
-def test_the_2_7b_prompt_allocates_only_its_outputs_and_intermediates():
+def test_the_2_7b_prompt_allocates_only_its_outputs_and_intermediates(torch_ops):
     """A Mamba-2 layer's call with the 2.7b heads: a replay allocates y, final_states, dt_out,
     dA_cumsum and prev_states (the launchers also allocated a stand-in for each of eleven absent
     inputs at every call) and runs no other torch op."""
     args = inputs(1, 512, 80, 64, 128, 1, layer=True, return_final_states=True)
     call(args), call(args)
-    with Ops() as ops:
+    with torch_ops() as ops:
         call(args)
     assert [n for n in ops.names if n != "detach.default"] == ["empty_strided.default"] * 5
 

@@ -10,6 +10,7 @@ cases are l < q, l % q != 0, l = 1, several groups, packed sequences (seq_idx), 
 each optional input, tiles smaller than the chunk and the state.
 """
 import dataclasses
+import inspect
 
 import numpy as np
 import pytest
@@ -64,13 +65,15 @@ SHAPES = {
 
 
 # chunk_scan's backward also on a chunk of several default tiles (q128: 64-row tiles), eight
-# groups, a head width that is no power of two and one position
+# groups, a head width that is no power of two, one position, and D without z
 SCAN_SHAPES = {
     "q128": ProblemSpec(2, 300, 4, 24, 40, 2, chunk_size=128,
                         seq_boundaries=((5, 130, 200), (0, 64, 255)), name="q128"),
     "ngroups-8": ProblemSpec(1, 70, 16, 8, 8, 8, chunk_size=32, seq_boundaries=((10, 33, 64),),
                              name="ngroups-8"),
     "headdim-not-pow2": EDGE_SHAPES["headdim-not-pow2"],
+    "D-per-head": EDGE_SHAPES["D-per-head"],        # the skip's gradients in the columns kernel,
+    "D-per-channel": EDGE_SHAPES["D-per-channel"],  # without a gate around them
     "l-one-q32": ProblemSpec(2, 1, 4, 16, 16, 1, chunk_size=32, name="l-one-q32"),
 }
 
@@ -113,7 +116,7 @@ def emulated(launcher, *args, **kwargs):
 # --- backward stages --------------------------------------------------------------------------
 
 SMALL_BACKWARD = dict(cumsum=CumsumBackwardConfig(block_h=2, block_rows=2),
-                      state=StateBackwardConfig(block_s=8, block_p=8, block_n=4),
+                      state=StateBackwardConfig(block_s=8, block_p=8, block_n=4, head_splits=1),
                       passing=PassingBackwardConfig(block_p=8, block_n=4),
                       scan=ScanBackwardConfig(block_q=8, block_k=8, block_n=4, head_splits=1))
 CONFIGS = {"default": {}, "small-tiles": SMALL_BACKWARD}
@@ -149,6 +152,26 @@ def test_chunk_state_backward(name, tiles):
     assert list(got) == list(want)
     for k in want:
         close(got[k], want[k], k)
+
+
+@pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx"])
+def test_chunk_state_backward_adds_into_dx(name):
+    """With dx_into (chunk_scan's dx, as the backward passes it), the dx kernel adds its part
+    into that tensor in place, every element of it, padded tails included."""
+    spec, t, ref, g = problem(name)
+    prior = torch.randn(t["x"].shape, generator=torch.Generator().manual_seed(3))
+    into = prior.clone()
+    want = TB.chunk_state_backward_torch(g["dstates"], t["B"].double(), t["x"].double(),
+                                         ref["dt_out"], ref["dA_cumsum"], t.get("seq_idx"))
+    got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), t["B"], t["x"],
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), t.get("seq_idx"),
+                   dx_into=into, config=SMALL_BACKWARD["state"])
+    assert got["dx"] is into
+    close(got["dx"], want["dx"] + prior.double(), "dx")
+    with pytest.raises(ValueError, match="dx_into: must be contiguous"):
+        STATE.chunk_state_backward_cutile(g["dstates"].float(), t["B"], t["x"],
+                                          ref["dt_out"].float(), ref["dA_cumsum"].float(),
+                                          dx_into=prior.transpose(1, 2).contiguous().transpose(1, 2))
 
 
 @pytest.mark.parametrize("tiles", CONFIGS)
@@ -256,10 +279,10 @@ def _end_decay_one_early(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     return ct.extract(tail.reshape((BLOCK_K,)), index=(BLOCK_K // 2 - 1,), shape=(1,))
 
 
-def _columns_without_the_tail(ib, ic, ig, js, *rest):
-    seqlen, Q, BLOCK_Q = rest[11], rest[14], rest[15]
-    if ic * Q + js * BLOCK_Q < seqlen:  # the mutation: tiles past the end left unwritten
-        SCAN_COLUMN_BLOCK(ib, ic, ig, js, *rest)
+def _columns_without_the_tail(*args):
+    a = inspect.signature(SCAN_COLUMN_BLOCK).bind(*args).arguments
+    if a["ic"] * a["Q"] + a["js"] * a["BLOCK_Q"] < a["seqlen"]:  # the mutation: tiles past the
+        SCAN_COLUMN_BLOCK(*args)  # end left unwritten
 
 
 SCAN_COLUMN_BLOCK = SCAN.column_block
@@ -444,6 +467,28 @@ def test_gated_rmsnorm(group_size):
     want = layer_ref.gated_rmsnorm(*(v.double().numpy() for v in (y, z, weight)), group_size,
                                    1e-5)
     close(got, torch.from_numpy(want), "gated_rmsnorm")
+
+
+@pytest.mark.parametrize("group_size", [12, 4, 3])
+def test_gated_rmsnorm_backward(group_size, monkeypatch):
+    """The norm's backward kernel against layer_autograd's PyTorch backward in float64: dy and
+    dz in y's and z's dtypes, dweight from the blocks' parts; z a column slice (strided rows).
+    Tiles of 8 elements: a group of 12 in two channel tiles (the second part-filled), of 4 or 3
+    two rows a block (15 rows: the last block part-filled)."""
+    from ssd.layer_autograd import gated_rmsnorm_backward
+
+    monkeypatch.setattr(NORM, "BACKWARD_TILE", 8)
+    rng = np.random.default_rng(9)
+    y, dout = (torch.from_numpy(rng.standard_normal((3, 5, 12))).float() for _ in range(2))
+    zx = torch.from_numpy(rng.standard_normal((3, 5, 20))).float()
+    z = zx[..., 4:16]  # in_proj's z columns, read in place
+    weight = torch.from_numpy(rng.standard_normal(12)).float()
+    got = emulated(NORM.gated_rmsnorm_backward, dout, y, z, weight, group_size, 1e-5)
+    want = gated_rmsnorm_backward(dout.double(), y.double(), z.double(), weight.double(),
+                                  group_size, 1e-5)
+    assert list(got) == list(want)
+    for k in want:
+        close(got[k], want[k], k)
 
 
 @pytest.mark.parametrize("per_head", [True, False])

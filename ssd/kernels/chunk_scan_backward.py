@@ -43,8 +43,12 @@ Padded tails (l % q != 0): loads past the sequence read zeros (dy = x = 0 there,
 term vanishes), tiles wholly past it are skipped, and ``columns`` writes ddt_out and ddA_cumsum
 of such tiles as zeros: every element of every output is written.
 
-The gate and skip connection (D, z) are elementwise and stay in PyTorch around the kernels
-(:func:`ssd.backward.chunk_scan_backward_cutile`, the drop-in for ``chunk_scan_backward_torch``).
+The skip connection's gradients are elementwise over the positions a ``columns`` block owns, so
+that block adds them where it is given D (``HAS_D``): dx_s += D dy_s, and its part of
+dD = sum_s dy_s x_s, one row of a (b, c * q / BLOCK_Q, h, p) buffer that the host sums (a fixed
+order). The gate (z) stays in PyTorch around the kernels
+(:func:`ssd.backward.chunk_scan_backward_cutile`, the drop-in for
+``chunk_scan_backward_torch``): dy silu(z) before them, dz after.
 """
 import functools
 import math
@@ -53,7 +57,7 @@ import cuda.tile as ct
 
 from ..config import ScanBackwardConfig, head_splits, next_pow2
 from ..launch import array_type, chunk_seq_last, gpu_facts, index_dtype_for, launch, optional
-from .tiles import ConstBool, ConstInt, LOG2E, ZERO
+from .tiles import ConstBool, ConstInt, LOG2E, ZERO, head_run
 
 #: The kernels hold a whole head's channels in one tile (and the state's width, up to
 #: ``ssd.api.MAX_DSTATE``).
@@ -97,14 +101,6 @@ def positions(j, BLOCK_Q):
     return j * BLOCK_Q + ct.arange(BLOCK_Q, dtype=ct.int32)
 
 
-def head_run(part, heads_per_group, head_splits):
-    """Tile code: (group, first head, heads) of grid index ``part`` along the grid's (group,
-    split) axis: split ``part % head_splits`` of group ``part // head_splits``."""
-    ig = part // head_splits
-    heads = heads_per_group // head_splits
-    return ig, ig * heads_per_group + (part % head_splits) * heads, heads
-
-
 def pair_keep(t_pos, s_pos, seq_t, seq_s, HAS_SEQ):
     """Tile code: True where row t takes column s: s <= t and, with HAS_SEQ, one sequence.
     Positions and sequence ids come shaped to broadcast ([T, 1] and [1, S], or the transpose),
@@ -130,12 +126,13 @@ def masked_decay(seg, keep):
 # --------------------------------------------------------------------------------------------
 
 
-def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, dB, ddt_out,
-                 ddA_cumsum, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD,
-                 HAS_SEQ):
+def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, dx, dB, ddt_out,
+                 ddA_cumsum, dD_parts, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD,
+                 N_PAD, HAS_SEQ, HAS_D):
     """Tile code: column block ``js`` of chunk ``ic`` (batch row ``ib``) for the run of heads
-    ``part`` (:func:`head_run`): stores dx [S, P] and ddt_out, ddA_cumsum (its column part) [S]
-    per head and dB [S, N] summed over the run's heads, at ``part`` of dB's third axis."""
+    ``part`` (:func:`.tiles.head_run`): stores dx [S, P] and ddt_out, ddA_cumsum (its column
+    part) [S] per head and dB [S, N] summed over the run's heads, at ``part`` of dB's third
+    axis; HAS_D, dx with the skip's D dy and, per head, the block's part of dD [P]."""
     ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     cols = ic * q_tiles + js  # the column block, in BLOCK_Q tiles of the sequence
@@ -153,6 +150,12 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, 
             dt_s = chunk_row(dt_out, ib, ih, ic, js, BLOCK_Q)  # [S]
             x_s = rows_of(x, ib, cols, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [S, P]
             dxs = ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32)  # [S, P]
+            if HAS_D:  # the skip y += D x: dx_s += D dy_s, dD += sum_s dy_s x_s
+                dy_s = rows_of(dy, ib, cols, ih, 0, BLOCK_Q, P_PAD, ct.float32)  # [S, P]
+                d = ct.load(D, index=(ih, 0), shape=(1, P_PAD), padding_mode=ZERO)  # [1, P]
+                dxs = dy_s * d
+                dd = ct.sum(dy_s * x_s.astype(ct.float32), axis=0)  # [P]
+                ct.store(dD_parts, index=(ib, cols, ih, 0), tile=dd.reshape((1, 1, 1, P_PAD)))
             ddt = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
             dda = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
             for it in range(js, t_end):  # rows t >= s: the diagonal tile, then those below it
@@ -182,11 +185,14 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, dx, 
             ct.store(ddt_out, index=(ib, ih, ic, js), tile=ddt.reshape((1, 1, 1, BLOCK_Q)))
             ct.store(ddA_cumsum, index=(ib, ih, ic, js), tile=dda.reshape((1, 1, 1, BLOCK_Q)))
         ct.store(dB, index=(ib, cols, part, 0), tile=db.reshape((1, BLOCK_Q, 1, N_PAD)))
-    else:  # wholly past the sequence end: the (b, h, c, q) gradients are 0 there
+    else:  # wholly past the sequence end: the (b, h, c, q) gradients and dD's parts are 0 there
         nothing = ct.zeros((1, 1, 1, BLOCK_Q), dtype=ct.float32)
         for ih in range(first, first + heads):
             ct.store(ddt_out, index=(ib, ih, ic, js), tile=nothing)
             ct.store(ddA_cumsum, index=(ib, ih, ic, js), tile=nothing)
+            if HAS_D:
+                ct.store(dD_parts, index=(ib, cols, ih, 0),
+                         tile=ct.zeros((1, 1, 1, P_PAD), dtype=ct.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,10 +204,10 @@ def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq
               dC, ddA_cumsum, y_ssm, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD,
               N_PAD, HAS_SEQ, REBUILD_Y):
     """Tile code: row block ``it`` of chunk ``ic`` (batch row ``ib``) for the run of heads
-    ``part`` (:func:`head_run`): adds the row and entering-state parts of ddA_cumsum [T] to the
-    column part stored by ``columns``, per head; stores dC [T, N] summed over the run's heads, at
-    ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. A tile wholly past the
-    sequence end is left alone (``columns`` wrote its ddA_cumsum: zeros)."""
+    ``part`` (:func:`.tiles.head_run`): adds the row and entering-state parts of ddA_cumsum [T]
+    to the column part stored by ``columns``, per head; stores dC [T, N] summed over the run's
+    heads, at ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. A tile wholly
+    past the sequence end is left alone (``columns`` wrote its ddA_cumsum: zeros)."""
     ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     rows = ic * q_tiles + it  # the row block, in BLOCK_Q tiles of the sequence
@@ -306,10 +312,12 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
         dt_out: Array,      # (b, h, c, q) fp32
         dA_cumsum: Array,   # (b, h, c, q) fp32
         seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
+        D: Array,           # (h, p) fp32 (ignored unless HAS_D)
         dx: Array,          # (b, l, h, p) fp32 out
         dB: Array,          # (b, l, g * head_splits, n) fp32 out: each run's sum
         ddt_out: Array,     # (b, h, c, q) fp32 out
         ddA_cumsum: Array,  # (b, h, c, q) fp32 out: the column part
+        dD_parts: Array,    # (b, c * q / BLOCK_Q, h, p) fp32 out: dD per column block (HAS_D)
         seqlen: int,
         nchunks: int,
         heads_per_group: int,
@@ -319,12 +327,13 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
         P_PAD: ConstInt,
         N_PAD: ConstInt,
         HAS_SEQ: ConstBool,
+        HAS_D: ConstBool,
     ):
         """Grid: (b * c, g * head_splits, q / BLOCK_Q), one column block of one chunk and run
         of heads a block."""
         column_block(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), x, B, C, dy,
-                     dt_out, dA_cumsum, seq_idx, dx, dB, ddt_out, ddA_cumsum, seqlen,
-                     heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ)
+                     dt_out, dA_cumsum, seq_idx, D, dx, dB, ddt_out, ddA_cumsum, dD_parts, seqlen,
+                     heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, HAS_D)
 
     @ct.kernel(occupancy=occupancy)
     def chunk_scan_backward_rows_kernel(
@@ -389,8 +398,10 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
 
 
 def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=None, seq_last=None,
-                        config: ScanBackwardConfig = ScanBackwardConfig(), rebuild_y=False):
-    """Launch the three kernels: the gradients of chunk_scan's SSM part (no D, no z).
+                        config: ScanBackwardConfig = ScanBackwardConfig(), rebuild_y=False,
+                        D=None):
+    """Launch the three kernels: the gradients of chunk_scan's SSM part and, with D, of the skip
+    connection y += D x (no z: ``dy`` is the gradient after the gate).
 
     Args:
         dy: (b, l, h, p) gradient of y's SSM part, fp32, bf16 or fp16.
@@ -403,9 +414,11 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
             :func:`ssd.config.head_splits` for x's GPU).
         rebuild_y: also return y's SSM part, y_ssm (b, l, h, p) fp32 (the gate's gradient reads
             it).
+        D: optional (h,) or (h, p) skip weights: dx then holds D dy too, and dD is returned.
     Returns:
         dict of fp32 tensors: dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
-        (b, h, c, q), dprev_states (b, c, h, p, n), and with rebuild_y y_ssm (b, l, h, p).
+        (b, h, c, q), dprev_states (b, c, h, p, n), with D dD (D's shape), and with rebuild_y
+        y_ssm (b, l, h, p).
     Raises:
         ValueError: config.head_splits does not divide the heads per group.
     """
@@ -428,6 +441,10 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
                ddA_cumsum=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
                dprev_states=torch.empty((b, nchunks, h, p, n), dtype=f, device=dev))
     y_ssm = torch.empty((b, l, h, p), dtype=f, device=dev) if rebuild_y else None
+    # D as (h, p) fp32 (a per-head D broadcast over the channels); each column block's dD
+    D_hp = None if D is None else D.to(f).reshape(h, -1).expand(h, p).contiguous()
+    dD_parts = None if D is None else torch.empty((b, nchunks * (q // config.block_q), h, p),
+                                                  dtype=f, device=dev)
     has_seq = seq_idx is not None
     if has_seq and seq_last is None:
         seq_last = chunk_seq_last(seq_idx, q)
@@ -440,8 +457,9 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     diagonal = dict(x=x, B=B, C=C, dy=dy, dt_out=dt_out, dA_cumsum=dA_cumsum, seq_idx=seq_idx,
                     ddA_cumsum=out["ddA_cumsum"], BLOCK_Q=config.block_q, N_PAD=next_pow2(n),
                     head_splits=splits, **sizes)
-    launch(columns, grid, dict(dx=out["dx"], dB=out["dB"], ddt_out=out["ddt_out"], **diagonal),
-           device=dev)
+    launch(columns, grid, dict(dx=out["dx"], dB=out["dB"], ddt_out=out["ddt_out"],
+                               D=optional(D_hp, 2, f, dev), dD_parts=optional(dD_parts, 4, f, dev),
+                               HAS_D=D is not None, **diagonal), device=dev)
     # after columns, on the same stream: rows adds to the ddA_cumsum columns stored
     launch(rows, grid, dict(prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
                             y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, **diagonal),
@@ -453,6 +471,9 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     if splits > 1:  # the runs' partial sums, added in a fixed order
         for k in ("dB", "dC"):
             out[k] = out[k].view(b, l, g, splits, n).sum(3)
+    if D is not None:  # the column blocks' parts, summed in a fixed order
+        dD = dD_parts.sum((0, 1))  # (h, p)
+        out["dD"] = dD.sum(-1) if D.dim() == 1 else dD
     if rebuild_y:
         out["y_ssm"] = y_ssm
     return out

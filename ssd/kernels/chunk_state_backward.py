@@ -22,9 +22,10 @@ Two kernels, every product in fp32 (MMAs of fp32 operands, fp32 accumulation):
   at a time; for each, dSB over the channel tiles (a K loop over the state tiles), dx stored,
   dw summed over channels; then the row tiles of ddt_out and ddA_cumsum. Walking the whole
   chunk in one block keeps sum_s dw_s w_s, which the last column needs, in the block.
-* :func:`build_db_kernel`, one block per (batch, chunk, group, state tile): dB, whose
-  contraction runs over the group's heads and their channels (one K loop over both), so that
-  the group's sum never leaves the block.
+* :func:`build_db_kernel`, one block per (batch, chunk, run of a group's heads, state tile): dB,
+  whose contraction runs over the run's heads and their channels (one K loop over both), so that
+  its sum never leaves the block; with several runs a group (``head_splits``, as chunk_scan's
+  backward: :func:`ssd.config.head_splits`) the host adds the runs' parts in a fixed order.
 
 Positions past the sequence end (a partial last chunk) load as 0 (x, B) and carry dt' = 0, so
 they add nothing; row tiles wholly past the end are not loaded (a tile wholly out of bounds is
@@ -35,9 +36,9 @@ import functools
 
 import cuda.tile as ct
 
-from ..config import StateBackwardConfig, next_pow2
-from ..launch import array_type, check_array, index_dtype_for, launch, optional
-from .tiles import ConstBool, ConstInt, LOG2E, ZERO, chunk_end_decay
+from ..config import StateBackwardConfig, head_splits, next_pow2
+from ..launch import array_type, check_array, gpu_facts, index_dtype_for, launch, optional
+from .tiles import ConstBool, ConstInt, LOG2E, ZERO, chunk_end_decay, head_run
 
 FLOATS = ("float32", "bfloat16", "float16")
 
@@ -87,7 +88,7 @@ def build_dx_kernel(index_dtype=ct.int32):
         dt_out: Array,      # (b, h, c, q)
         dA_cumsum: Array,   # (b, h, c, q)
         seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
-        dx: Array,          # (b, l, h, p) out
+        dx: Array,          # (b, l, h, p) out (in and out: += with ACCUMULATE)
         ddt_out: Array,     # (b, h, c, q) out
         ddA_cumsum: Array,  # (b, h, c, q) out
         seqlen: int,
@@ -100,6 +101,7 @@ def build_dx_kernel(index_dtype=ct.int32):
         BLOCK_P: ConstInt,
         BLOCK_N: ConstInt,
         HAS_SEQ: ConstBool,
+        ACCUMULATE: ConstBool,
     ):
         """Grid: (b * c, h); one block walks one chunk of one head."""
         ib = ct.bid(0) // nchunks
@@ -126,8 +128,12 @@ def build_dx_kernel(index_dtype=ct.int32):
                     dsb = ct.mma(bt.astype(ct.float32), ct.transpose(ds), dsb)  # [S, P]
                 xt = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
                              padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P)).astype(ct.float32)
+                dxt = w[:, None] * dsb  # [S, P]
+                if ACCUMULATE:  # x's other gradient, read and written back by this block alone
+                    dxt = dxt + ct.load(dx, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
+                                        padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P))
                 ct.store(dx, index=(ib, row, ih, ip),
-                         tile=(w[:, None] * dsb).reshape((1, BLOCK_S, 1, BLOCK_P)).astype(dx.dtype))
+                         tile=dxt.reshape((1, BLOCK_S, 1, BLOCK_P)).astype(dx.dtype))
                 dw = dw + ct.sum(xt * dsb, axis=1)  # [S]
             dexp = dw * w  # [S], the gradient of the exponent dA_cumsum[q-1] - dA_cumsum[s]
             total = total + ct.sum(dexp, axis=0, keepdims=True)
@@ -161,10 +167,11 @@ def build_db_kernel(index_dtype=ct.int32):
         dt_out: Array,      # (b, h, c, q)
         dA_cumsum: Array,   # (b, h, c, q)
         seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
-        dB: Array,          # (b, l, g, n) out
+        dB: Array,          # (b, l, g * head_splits, n) out: each run's sum
         seqlen: int,
         nchunks: int,
         heads_per_group: int,
+        head_splits: int,
         p_tiles: int,       # cdiv(p, BLOCK_P)
         Q: ConstInt,
         BLOCK_S: ConstInt,
@@ -172,11 +179,11 @@ def build_db_kernel(index_dtype=ct.int32):
         BLOCK_N: ConstInt,
         HAS_SEQ: ConstBool,
     ):
-        """Grid: (b * c, g, cdiv(n, BLOCK_N)); one block walks one chunk for one group's state
-        tile."""
+        """Grid: (b * c, g * head_splits, cdiv(n, BLOCK_N)); one block walks one chunk for one run
+        of a group's heads and one state tile."""
         ib = ct.bid(0) // nchunks
         ic = ct.bid(0) % nchunks
-        ig = ct.bid(1)
+        ig, first, heads = head_run(ct.bid(1), heads_per_group, head_splits)
         jn = ct.bid(2)
         s_per_chunk = Q // BLOCK_S
         seq_end = sequence_end(seq_idx, ib, ic, seqlen, Q, HAS_SEQ)
@@ -184,8 +191,7 @@ def build_db_kernel(index_dtype=ct.int32):
         for ks in range(s_end):  # row tiles wholly past the end are never stored: skipped
             row = ic * s_per_chunk + ks
             acc = ct.zeros((BLOCK_S, BLOCK_N), dtype=ct.float32)
-            for r in range(heads_per_group):
-                ih = ig * heads_per_group + r
+            for ih in range(first, first + heads):
                 last = chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_S).astype(ct.float32)
                 _, w = row_weights(dt_out, dA_cumsum, seq_idx, last, seq_end, ib, ih, ic, ks,
                                    row, BLOCK_S, HAS_SEQ)
@@ -195,13 +201,13 @@ def build_db_kernel(index_dtype=ct.int32):
                                  padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P)).astype(ct.float32)
                     ds = state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N)
                     acc = ct.mma(xt * w[:, None], ds, acc)  # [S, N]
-            ct.store(dB, index=(ib, row, ig, jn),
+            ct.store(dB, index=(ib, row, ct.bid(1), jn),
                      tile=acc.reshape((1, BLOCK_S, 1, BLOCK_N)).astype(dB.dtype))
 
     return chunk_state_backward_dB_kernel
 
 
-def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *,
+def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *, dx_into=None,
                                 config: StateBackwardConfig = StateBackwardConfig()):
     """The backward of chunk_state in cuTile: the arguments and result of
     :func:`ssd.backward.chunk_state_backward_torch`, plus the tiles (``config``).
@@ -211,9 +217,11 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
         B: (b, l, g, n), x: (b, l, h, p), fp32 / bf16 / fp16, h a multiple of g.
         dt_out, dA_cumsum: (b, h, c, q), the forward's stage-1 outputs, c = ceil(l / q).
         seq_idx: optional (b, l) int32 / int64.
+        dx_into: optional contiguous (b, l, h, p) tensor in dstates' dtype, x's other gradient:
+            the kernel adds this stage's dx into it, in place, and it is returned as dx.
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions, in dstates' dtype, computed in fp32.
+        stage's contributions (dx: plus dx_into's), in dstates' dtype, computed in fp32.
     Raises:
         ValueError naming an argument of the wrong shape or dtype.
     """
@@ -236,7 +244,12 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
     dev, f = dstates.device, dstates.dtype
     dstates, B, x, dt_out, dA_cumsum = (t.contiguous() for t in (dstates, B, x, dt_out, dA_cumsum))
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
-    dx = torch.empty((b, l, h, p), device=dev, dtype=f)
+    if dx_into is not None:
+        check_array("dx_into", dx_into, (b, l, h, p), (f,))
+        if not dx_into.is_contiguous() or dx_into.device != dev:
+            raise ValueError(f"dx_into: must be contiguous and on {dev} (the kernel adds into it "
+                             f"in place), got {dx_into.device}, strides {dx_into.stride()}")
+    dx = torch.empty((b, l, h, p), device=dev, dtype=f) if dx_into is None else dx_into
     dB = torch.empty((b, l, g, n), device=dev, dtype=f)
     ddt_out = torch.empty((b, h, c, q), device=dev, dtype=f)
     ddA = torch.empty((b, h, c, q), device=dev, dtype=f)
@@ -250,6 +263,14 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
                   BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=seq is not None)
     index = index_dtype_for(dstates, B, x, dx)
     launch(build_dx_kernel(index), (b * c, h), dict(
-        shared, B=B, dx=dx, ddt_out=ddt_out, ddA_cumsum=ddA, n_tiles=n_tiles), device=dev)
-    launch(build_db_kernel(index), (b * c, g, n_tiles), dict(shared, dB=dB), device=dev)
+        shared, B=B, dx=dx, ddt_out=ddt_out, ddA_cumsum=ddA, n_tiles=n_tiles,
+        ACCUMULATE=dx_into is not None), device=dev)
+    splits = config.head_splits or head_splits(b * c * g * n_tiles, h // g, gpu_facts(dev)[1])
+    if (h // g) % splits:
+        raise ValueError(f"head_splits={splits} must divide the heads per group ({h // g})")
+    dB_runs = dB if splits == 1 else torch.empty((b, l, g * splits, n), device=dev, dtype=f)
+    launch(build_db_kernel(index), (b * c, g * splits, n_tiles),
+           dict(shared, dB=dB_runs, head_splits=splits), device=dev)
+    if splits > 1:  # the runs' parts, added in a fixed order
+        torch.sum(dB_runs.view(b, l, g, splits, n), 3, out=dB)
     return {"dB": dB, "dx": dx, "ddt_out": ddt_out, "ddA_cumsum": ddA}

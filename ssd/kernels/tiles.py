@@ -62,6 +62,16 @@ def k_step(acc, kk, x, B, dt_out, dA_cumsum, seq_idx, last, seq_end, ib, ic, ih,
     return acc
 
 
+def head_run(part, heads_per_group, head_splits):
+    """Tile code: (group, first head, heads) of grid index ``part`` along a backward grid's
+    (group, split) axis: split ``part % head_splits`` of group ``part // head_splits``, whose
+    heads one block walks, summing the group's gradients (dB, dC) over them
+    (:func:`ssd.config.head_splits`)."""
+    ig = part // head_splits
+    heads = heads_per_group // head_splits
+    return ig, ig * heads_per_group + (part % head_splits) * heads, heads
+
+
 def chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     """Tile code: the [1] cumulative log-decay at the chunk's last position, dA_cumsum[..., Q-1].
 

@@ -156,8 +156,9 @@ def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims
 
 def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 2,
                   seqlen: int = 300):
-    """Run the launchers of the layer's conv, norm and conv step (:mod:`ssd.kernels.causal_conv1d`,
-    :mod:`ssd.kernels.gated_rmsnorm`, :mod:`ssd.kernels.conv_step`) on empty CPU tensors in the
+    """Run the launchers of the layer's conv, norm (and its backward) and conv step
+    (:mod:`ssd.kernels.causal_conv1d`, :mod:`ssd.kernels.gated_rmsnorm`,
+    :mod:`ssd.kernels.conv_step`) on empty CPU tensors in the
     layouts the mixer hands them, and return the recorded launches: xBC and z column slices of
     in_proj's (b, l, d_in_proj) output (one token's row for the step), y the SSD's contiguous
     output, for the ``preset`` layer (``ssd.layer.PRESETS``) at ``batch`` x ``seqlen`` (the
@@ -170,7 +171,7 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
 
     from ..kernels.causal_conv1d import causal_conv1d
     from ..kernels.conv_step import conv_step
-    from ..kernels.gated_rmsnorm import gated_rmsnorm
+    from ..kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_backward
     from ..layer import PRESETS
 
     if features not in ("none", "all"):
@@ -188,8 +189,10 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     bias = torch.empty(cfg.conv_dim, dtype=t)
     with launch.capture() as records:
         causal_conv1d(xBC, weight, bias, **extra)
-        gated_rmsnorm(torch.empty(b, l, cfg.d_inner, dtype=t), z, torch.empty(cfg.d_inner),
-                      cfg.d_inner // cfg.ngroups, 1e-5)
+        y = torch.empty(b, l, cfg.d_inner, dtype=t)
+        gated_rmsnorm(y, z, torch.empty(cfg.d_inner), cfg.d_inner // cfg.ngroups, 1e-5)
+        gated_rmsnorm_backward(torch.empty_like(y), y, z, torch.empty(cfg.d_inner),
+                               cfg.d_inner // cfg.ngroups, 1e-5)
         conv_step(torch.empty(rows, cfg.conv_dim, cfg.d_conv - 1, dtype=t), xBC[:, 0], weight,
                   bias, **paged)
     return records
@@ -229,14 +232,16 @@ def capture_backward(dtype: str, features: str):
         chunk_scan_backward(torch.randn(b, l, h, p), torch.randn(b, l, g, n, dtype=t),
                             torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
                             dt_out, -torch.rand(b, h, c, q), torch.randn(b, c, h, p, n, dtype=t),
-                            seq_idx=seq_idx, config=ScanBackwardConfig(), rebuild_y=every)
+                            seq_idx=seq_idx, config=ScanBackwardConfig(), rebuild_y=every,
+                            D=torch.randn(h) if every else None)
         passing = state_passing_backward_cutile(
             torch.randn(b, c, h, p, n), torch.randn(b, c, h, p, n, dtype=t),
             -torch.rand(b, h, c, q), torch.randn(b, h, p, n) if every else None, seq_idx,
             dfinal_states=torch.randn(b, h, p, n) if every else None)
         state = chunk_state_backward_cutile(
             passing["dstates"], torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
-            dt_out, -torch.rand(b, h, c, q), seq_idx)
+            dt_out, -torch.rand(b, h, c, q), seq_idx,
+            dx_into=torch.randn(b, l, h, p) if every else None)  # the backward's: into scan's dx
         chunk_cumsum_backward_cutile(
             state["ddt_out"], state["ddA_cumsum"], torch.randn(b, l, h, dtype=t), -torch.rand(h),
             q, dt_bias=torch.randn(h) if every else None, dt_softplus=every,

@@ -1,0 +1,219 @@
+"""Where the backward's time goes: ``python -m ssd.tools.backward_stages`` (library + command line).
+
+``ssd.tools.backward_bench`` times the whole forward + backward against the peers; this tool
+opens ours up. For each shape of the models suite (bf16, the layer's SSD call: D per head,
+dt_bias, softplus; ``bench.make_inputs``) and chunk size it runs one forward + backward through
+``ssd.mamba_chunk_scan_combined`` with every stage's backward wrapped so that its arguments are
+kept (:func:`stage_calls`), then times each stage's backward alone on exactly those arguments:
+``chunk_scan`` (its three kernels and the gate and skip around them), ``state_passing``,
+``chunk_state``, ``chunk_cumsum``. Beside them: the forward, and the forward + backward, so that
+"between stages" (the backward's sums and casts outside the stages) is what is left. With
+``--head-splits`` it also times ``chunk_scan``'s backward at each of those splits of a group's
+heads (``ScanBackwardConfig.head_splits``; the default rule's choice is marked): the knob that
+trades blocks for a buffer.
+
+Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
+removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
+says so (``mode``). The payload (records, settings, environment) goes to
+``results/<gpu>/backward_stages.json`` or ``--out``; a table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..backward import StageBackwards
+
+#: The stages in the order the backward runs them.
+STAGES = StageBackwards._fields
+
+
+def stage_calls(shape, chunk_size: int, dtype="bfloat16", device="cuda", forward=None,
+                backwards: StageBackwards | None = None) -> dict:
+    """{stage: (function, args, kwargs)}: each stage's backward as one forward + backward of
+    ``shape`` (``bench.make_inputs``, dy ~ N(0, 1)) called it.
+
+    ``forward``: a callable with ``ssd.mamba_chunk_scan_combined``'s signature that takes
+    ``backwards`` (None: that function); ``backwards``: the stages to wrap (None:
+    ``ssd.backward.cutile_backwards()``)."""
+    import torch
+
+    from .. import api
+    from ..backward import cutile_backwards
+    from .backward_bench import LEAVES, leaves_of, upstream
+    from .bench import make_inputs
+
+    forward = forward or api.mamba_chunk_scan_combined
+    inner = backwards or cutile_backwards()
+    calls = {}
+
+    def kept(name, fn):
+        def call(*args, **kwargs):
+            calls[name] = (fn, args, kwargs)
+            return fn(*args, **kwargs)
+        return call
+
+    wrapped = StageBackwards(*(kept(name, fn) for name, fn in zip(STAGES, inner)))
+    leaves = leaves_of(make_inputs(shape, dtype, device=device))
+    x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
+    y = forward(x, dt, A, B, C, chunk_size, D=D, dt_bias=bias, dt_softplus=True,
+                backwards=wrapped)
+    torch.autograd.grad(y, list(leaves.values()), upstream(shape, dtype, device=device))
+    if missing := [s for s in STAGES if s not in calls]:
+        raise RuntimeError(f"the backward never called {', '.join(missing)}")
+    return calls
+
+
+def head_split_choices(shape, chunk_size: int, wanted=()) -> tuple[int, list[int]]:
+    """(the default rule's head_splits for ``shape`` at ``chunk_size`` on this GPU, the splits of
+    ``wanted`` that divide the heads per group, in order)."""
+    import torch
+
+    from ..config import ScanBackwardConfig, head_splits
+    from ..launch import gpu_facts
+
+    b, l, h, p, n, g = shape.dims
+    c = -(-l // chunk_size)
+    config = ScanBackwardConfig().for_problem(chunk_size, n, "bfloat16")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    blocks = b * c * g * (chunk_size // config.block_q)
+    default = head_splits(blocks, h // g, gpu_facts(device)[1])
+    return default, [s for s in wanted if (h // g) % s == 0]
+
+
+def timed(fn, reps) -> dict:
+    """``bench.time_fn`` of ``fn`` as a CUDA-graph replay, L2 flushed; eager where the capture
+    fails (``mode`` and ``graph_error`` say so)."""
+    from .bench import time_fn
+
+    try:
+        return dict(time_fn(fn, mode="graph", reps=reps), mode="graph")
+    except Exception as exc:  # noqa: BLE001 (a capture failure is a result, recorded)
+        return dict(time_fn(fn, mode="eager", reps=reps), mode="eager",
+                    graph_error=f"{type(exc).__name__}: {exc}"[:300])
+
+
+def run(shapes, chunks=(64, 256), splits=(), reps=30) -> dict:
+    """Time every stage's backward, the forward and the forward + backward of each shape at each
+    chunk size (and chunk_scan's at ``splits``); return the payload (records, settings)."""
+    import dataclasses
+
+    import torch
+
+    from .. import api
+    from ..config import ScanBackwardConfig
+    from .backward_bench import LEAVES, inference, leaves_of, training_step, upstream
+    from .bench import make_inputs
+
+    records = []
+    for shape in shapes:
+        for q in chunks:
+            where = dict(shape=shape.name, dims=list(shape.dims), chunk_size=q)
+            calls = stage_calls(shape, q)
+            default, tried = head_split_choices(shape, q, splits)
+            for stage, (fn, args, kwargs) in calls.items():
+                records.append(dict(where, what=stage, **timed(lambda: fn(*args, **kwargs), reps),
+                                    head_splits=default if stage == "chunk_scan" else None))
+            fn, args, kwargs = calls["chunk_scan"]
+            for s in tried:
+                config = dataclasses.replace(ScanBackwardConfig(), head_splits=s)
+                stats = timed(lambda: fn(*args, **dict(kwargs, config=config)), reps)
+                records.append(dict(where, what="chunk_scan (split sweep)", head_splits=s,
+                                    default=s == default, **stats))
+            leaves = leaves_of(make_inputs(shape))
+            x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
+
+            def forward(x=x, dt=dt, A=A, B=B, C=C, D=D, bias=bias, q=q):
+                return api.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, dt_bias=bias,
+                                                     dt_softplus=True)
+
+            for what, fn in (("forward", inference(forward)),
+                             ("forward+backward", training_step(forward, leaves, upstream(shape)))):
+                records.append(dict(where, what=what, **timed(fn, reps)))
+            del calls, leaves
+            torch.cuda.empty_cache()
+    settings = dict(reps=reps, warmup=5, mode="graph (eager where a record says so)",
+                    l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events", statistic="median", dtype="bfloat16",
+                    chunks=list(chunks), head_splits=list(splits))
+    return dict(records=records, settings=settings)
+
+
+def breakdown(records) -> list[dict]:
+    """One row per (shape, chunk size): each stage's ms, their sum, the forward, the forward +
+    backward, the backward (their difference) and what lies between the stages (the backward
+    minus the stages' sum)."""
+    rows = {}
+    for r in records:
+        if r["what"] == "chunk_scan (split sweep)":
+            continue
+        row = rows.setdefault((r["shape"], r["chunk_size"]),
+                              dict(shape=r["shape"], chunk_size=r["chunk_size"]))
+        row[r["what"]] = r["median_ms"]
+        if r["what"] == "chunk_scan":
+            row["head_splits"] = r["head_splits"]
+    out = []
+    for row in rows.values():
+        row["stages"] = sum(row[s] for s in STAGES)
+        row["backward"] = row["forward+backward"] - row["forward"]
+        row["between stages"] = row["backward"] - row["stages"]
+        out.append(row)
+    return out
+
+
+def table(payload) -> str:
+    """The breakdown as text, then chunk_scan's split sweep (``*``: the default's choice)."""
+    cols = [*STAGES, "stages", "between stages", "backward", "forward", "forward+backward"]
+    lines = [f"ms, CUDA-graph replay, L2 flushed, median of {payload['settings']['reps']}",
+             f"{'shape':13s} {'q':>4s} {'splits':>6s} " + " ".join(f"{c[:13]:>13s}" for c in cols)]
+    for row in breakdown(payload["records"]):
+        lines.append(f"{row['shape']:13s} {row['chunk_size']:4d} {row['head_splits']:6d} "
+                     + " ".join(f"{row[c]:13.3f}" for c in cols))
+    sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (split sweep)"]
+    if sweep:
+        lines.append("chunk_scan's backward by head_splits (* the default rule's choice)")
+        for r in sweep:
+            lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {r['head_splits']:6d}"
+                         f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from .bench import SUITES
+    from .env import RESULTS, environment, gpu_slug, write_json
+
+    parser = argparse.ArgumentParser(prog="python -m ssd.tools.backward_stages",
+                                     description=__doc__.splitlines()[0])
+    names = [s.name for s in SUITES["models"]]
+    parser.add_argument("--shapes", default=",".join(names),
+                        help=f"models shapes, comma-separated (of {', '.join(names)})")
+    parser.add_argument("--chunks", default="64,256", help="chunk sizes (default %(default)s)")
+    parser.add_argument("--head-splits", default="",
+                        help="chunk_scan's backward also at these head splits, e.g. 1,2,4,8 "
+                             "(those that divide a shape's heads per group)")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--out", help="output JSON (default results/<gpu>/backward_stages.json)")
+    args = parser.parse_args(argv)
+    wanted = args.shapes.split(",")
+    if unknown := [s for s in wanted if s not in names]:
+        parser.error(f"--shapes: {', '.join(unknown)} unknown (known: {', '.join(names)})")
+    try:
+        chunks = tuple(int(v) for v in args.chunks.split(","))
+        splits = tuple(int(v) for v in args.head_splits.split(",") if v)
+    except ValueError as exc:
+        parser.error(f"--chunks/--head-splits: comma-separated integers ({exc})")
+    if bad := [q for q in chunks if q not in (16, 32, 64, 128, 256)]:
+        parser.error(f"--chunks: {bad} not in 16, 32, 64, 128, 256")
+    if bad := [s for s in splits if s < 1]:
+        parser.error(f"--head-splits: {bad} not positive")
+    env = environment()
+    shapes = [s for s in SUITES["models"] if s.name in wanted]
+    payload = dict(run(shapes, chunks, splits, args.reps), environment=env)
+    out = args.out or RESULTS / gpu_slug(env["gpu"]) / "backward_stages.json"
+    write_json(out, payload)
+    print(table(payload))
+    print(f"[backward_stages] wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

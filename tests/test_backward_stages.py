@@ -1,0 +1,71 @@
+"""ssd.tools.backward_stages on the CPU: the stages' arguments are those the backward passes,
+the breakdown adds up, the split choices divide the heads, and the command line refuses bad
+input by name. The timing itself needs a GPU (make gpu-backward-stages)."""
+import functools
+import re
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ssd import autograd  # noqa: E402
+from ssd.backward import TORCH_BACKWARDS  # noqa: E402
+from ssd.tools import backward_stages as BS  # noqa: E402
+from ssd.tools.bench import Shape  # noqa: E402
+
+SMALL = Shape("small", 2, 40, 4, 8, 8, 2)
+
+
+def test_stage_calls_keep_what_each_stage_was_given():
+    forward = functools.partial(autograd.chunk_scan_combined, stages=autograd.torch_stages)
+    calls = BS.stage_calls(SMALL, 16, dtype="float32", device="cpu", forward=forward,
+                           backwards=TORCH_BACKWARDS)
+    assert list(calls) == list(BS.STAGES)  # the order the backward runs them
+    fn, args, kwargs = calls["chunk_scan"]
+    assert fn is TORCH_BACKWARDS.chunk_scan
+    dy, B, C, x = args[:4]
+    assert dy.shape == x.shape == (2, 40, 4, 8) and B.shape == C.shape == (2, 40, 2, 8)
+    again = fn(*args, **kwargs)  # a kept call reruns to the same gradients
+    first = TORCH_BACKWARDS.chunk_scan(*args, **kwargs)
+    assert all(torch.equal(again[k], first[k]) for k in first)
+    assert calls["state_passing"][1][0].shape == (2, 3, 4, 8, 8)  # dprev_states (b, c, h, p, n)
+
+
+def test_a_stage_never_called_is_an_error():
+    def no_backward(x, dt, A, B, C, chunk_size, D, dt_bias, **kwargs):  # differentiable, no SSD
+        return x * 2 + sum(t.sum() for t in (dt, A, B, C, D, dt_bias))
+
+    with pytest.raises(RuntimeError, match="never called chunk_scan, state_passing"):
+        BS.stage_calls(SMALL, 16, dtype="float32", device="cpu", forward=no_backward,
+                       backwards=TORCH_BACKWARDS)
+
+
+@pytest.mark.parametrize("wanted, splits", [((1, 2, 3, 4), [1, 2]), ((), [])])
+def test_head_split_choices_divide_the_heads_per_group(wanted, splits):
+    default, tried = BS.head_split_choices(SMALL, 16, wanted)
+    assert tried == splits and 2 % default == 0
+
+
+def test_breakdown_adds_up_and_the_table_marks_the_default():
+    where = dict(shape="s", dims=[1], chunk_size=64)
+    ms = dict(chunk_scan=0.5, state_passing=0.1, chunk_state=0.2, chunk_cumsum=0.05,
+              forward=0.3, **{"forward+backward": 1.3})
+    records = [dict(where, what=k, median_ms=v, head_splits=4 if k == "chunk_scan" else None)
+               for k, v in ms.items()]
+    records += [dict(where, what="chunk_scan (split sweep)", head_splits=s, default=s == 4,
+                     median_ms=0.6 / s) for s in (1, 4)]
+    (row,) = BS.breakdown(records)
+    assert row["stages"] == pytest.approx(0.85) and row["backward"] == pytest.approx(1.0)
+    assert row["between stages"] == pytest.approx(0.15)
+    text = BS.table(dict(records=records, settings=dict(reps=30)))
+    assert "     4*     0.150" in text and "     1      0.600" in text
+
+
+@pytest.mark.parametrize("argv, match", [(["--shapes", "nope"], "--shapes: nope unknown"),
+                                         (["--chunks", "48"], r"--chunks: \[48\]"),
+                                         (["--head-splits", "0"], r"--head-splits: \[0\]"),
+                                         (["--head-splits", "a"], "comma-separated integers")])
+def test_bad_arguments_are_refused_by_name(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        BS.main(argv)
+    assert re.search(match, capsys.readouterr().err)
