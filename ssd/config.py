@@ -315,14 +315,19 @@ class Conv1dConfig:
     channels, ``block_l`` positions, batch row). A block gathers its rows once a tap (the repeats
     meant to hit the L1 cache) plus the width-1 rows before them, so longer blocks reread fewer
     rows. At 64 x 64 the width-4 kernel compiles for sm_90 to 128 registers a thread and no
-    shared memory (64 x 128: 196 registers); neither is timed yet."""
+    shared memory (64 x 128: 196 registers); neither is timed yet. The backward's blocks
+    (``backward_block_l`` x ``backward_block_c``) recompute w preactivations a position, w taps
+    each: at 64 x 64 that kernel spilled 0.9-2.1 KB of stack a thread on sm_90 (2.1 with seq_idx
+    and an initial state), at 32 x 32 none."""
 
     block_l: int = 64
     block_c: int = 64
+    backward_block_l: int = 32
+    backward_block_c: int = 32
 
     def __post_init__(self):
-        _check_pow2("block_l", self.block_l)
-        _check_pow2("block_c", self.block_c)
+        for name in ("block_l", "block_c", "backward_block_l", "backward_block_c"):
+            _check_pow2(name, getattr(self, name))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,15 @@
-"""The layer's conv and norm as ``torch.autograd.Function``s: the forward a kernel; the backward
-in PyTorch (the conv) or a kernel (the norm).
+"""The layer's conv and norm as ``torch.autograd.Function``s: the forward and the backward
+injected (cuTile kernels on a GPU, PyTorch on the CPU).
 
 :class:`CausalConv1d` and :class:`GatedRMSNorm` run an injected forward (the cuTile launchers of
 :mod:`ssd.layer_ops` on a GPU; in the CPU tests :func:`causal_conv1d_torch` and
 :func:`gated_rmsnorm_torch`, the same maths in PyTorch) and differentiate it with
-:func:`causal_conv1d_backward` and an injected norm backward (:func:`gated_rmsnorm_backward`;
-on a GPU the cuTile kernel of :mod:`ssd.kernels.gated_rmsnorm`, checked against it). Both
-PyTorch backwards are written from the maths below and checked against ``torch.autograd`` of
-the layer's PyTorch path in float64 (tests/test_layer_kernels.py). :mod:`ssd.layer_ops` routes a call through them only where a
-gradient is required, so an inference call saves nothing and runs the kernel alone.
+:func:`causal_conv1d_backward` and :func:`gated_rmsnorm_backward` (on a GPU the backward
+kernels of :mod:`ssd.kernels.causal_conv1d` and :mod:`ssd.kernels.gated_rmsnorm`, checked
+against these), written from the maths below and checked against ``torch.autograd`` of the
+layer's PyTorch path in float64 (tests/test_layer_kernels.py). :mod:`ssd.layer_ops` routes a
+call through them only where a gradient is required, so an inference call saves nothing and
+runs the kernel alone.
 
 The gradients (per element; sums run over every index the left side does not carry)
 -------------------------------------------------------------------------------------
@@ -147,6 +148,10 @@ class ConvOptions(NamedTuple):
     #: (x, weight, bias, seq_idx, initial_states, activation) -> (b, l, c) in x's dtype, on
     #: tensors that do not require grad
     forward: Callable
+    #: (dout, x, weight, bias, seq_idx, initial_states, activation) -> dict of dx, dweight,
+    #: dbias, dinitial_states (any float dtype, None where not given), on tensors that do not
+    #: require grad
+    backward: Callable
 
 
 class CausalConv1d(torch.autograd.Function):
@@ -167,8 +172,9 @@ class CausalConv1d(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         x, weight, bias, initial_states, seq_idx = ctx.saved_tensors
-        grads = causal_conv1d_backward(dout, x, weight, bias, seq_idx, initial_states,
-                                       ctx.opts.activation)
+        bare = [None if t is None else t.detach() for t in (x, weight, bias, initial_states)]
+        grads = ctx.opts.backward(dout, bare[0], bare[1], bare[2], seq_idx, bare[3],
+                                  ctx.opts.activation)
         out = [grads[k].to(t.dtype) if t is not None and ctx.needs_input_grad[i + 1] else None
                for i, (k, t) in enumerate((("dx", x), ("dweight", weight), ("dbias", bias),
                                            ("dinitial_states", initial_states)))]
@@ -176,11 +182,13 @@ class CausalConv1d(torch.autograd.Function):
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, activation="silu",
-                  *, forward: Callable = causal_conv1d_torch):
-    """The differentiable conv: ``forward`` (default the PyTorch one) and the PyTorch backward.
-    Arguments as :func:`ssd.layer_ops.causal_conv1d` (not validated here). (b, l, c)."""
-    return CausalConv1d.apply(ConvOptions(activation, forward), x, weight, bias, initial_states,
-                              seq_idx)
+                  *, forward: Callable = causal_conv1d_torch,
+                  backward: Callable = causal_conv1d_backward):
+    """The differentiable conv: ``forward`` and ``backward`` (default the PyTorch ones; on a GPU
+    :mod:`ssd.layer_ops` passes the cuTile kernels). Arguments as
+    :func:`ssd.layer_ops.causal_conv1d` (not validated here). (b, l, c)."""
+    return CausalConv1d.apply(ConvOptions(activation, forward, backward), x, weight, bias,
+                              initial_states, seq_idx)
 
 
 # ----------------------------------------------------------------------------- gated_rmsnorm

@@ -129,9 +129,13 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, activ
                                    initial_states=initial_states, silu=activation is not None,
                                    config=config, out=out)
 
+    def kernel_backward(dout, x, weight, bias, seq_idx, initial_states, activation):
+        return _conv.causal_conv1d_backward(dout, x, weight, bias, seq_idx, initial_states,
+                                            silu=activation is not None, config=config)
+
     if requires_grad(x, weight, bias, initial_states):
         return layer_autograd.causal_conv1d(x, weight, bias, seq_idx, initial_states,
-                                            activation, forward=kernel)
+                                            activation, forward=kernel, backward=kernel_backward)
     x, weight, bias, initial_states = _bare(x, weight, bias, initial_states)
     return kernel(x, weight, bias, seq_idx, initial_states, activation, out=out)
 

@@ -26,6 +26,7 @@ BACKWARD_KERNELS = {"chunk_scan_backward_columns_kernel", "chunk_scan_backward_r
                     "chunk_cumsum_backward_kernel", "chunk_cumsum_backward_sum_kernel"}
 KERNELS = FORWARD_KERNELS | BACKWARD_KERNELS | {"chunk_state_varlen_kernel",
                                                 "state_update_kernel", "causal_conv1d_kernel",
+                                                "causal_conv1d_backward_kernel",
                                                 "gated_rmsnorm_kernel",
                                                 "gated_rmsnorm_backward_kernel", "conv_step_kernel"}
 
@@ -33,8 +34,8 @@ KERNELS = FORWARD_KERNELS | BACKWARD_KERNELS | {"chunk_state_varlen_kernel",
 # Every kernel for every arch in bf16, the dtype models run in: the forward (both feature sets,
 # fused and split stage 2, the one kernel), each packed sequence's final state, the backward's
 # stage kernels (every option on), the decode step (an fp32 state and one of the inputs' dtype)
-# and the layer's conv (with and without seq_idx and an initial state), norm and conv step (with
-# and without a paged cache). fp32 and fp16
+# and the layer's conv (with and without seq_idx and an initial state) and norm, their backwards,
+# and the conv step (with and without a paged cache). fp32 and fp16
 # for sm_90, the forward with every feature only: fp32 costs the most compile time (its
 # chunk_scan and one kernel take about 30 s each on a 2-core CPU). The risk this leaves: a
 # compile failure of one dtype on sm_80 or sm_100 alone, of the other kernels in fp32 or fp16,
@@ -580,10 +581,11 @@ def test_decode_step_reads_a_per_head_value_once_a_block(features, widths):
         assert args["dt"].shape[-1] == args["D"].shape[-1] == 1 and args["A"].shape[1:] == (1, 1)
 
 
-def test_layer_kernels_do_not_spill():
-    """The layer's conv, norm and conv step on sm_90 at the 2.7b layer's widths (the norm's
-    widest shipped tile: one group of 5120 channels padded to 8192, one row a block) keep
-    everything in registers: no stack."""
-    for record in aot.capture_layer("bfloat16", "none", preset="2.7b"):
+@pytest.mark.parametrize("features", ["none", "all"])
+def test_layer_kernels_do_not_spill(features):
+    """The layer's conv and norm, their backwards and the conv step on sm_90 at the 2.7b layer's
+    widths (the norm's widest shipped tile: one group of 5120 channels padded to 8192, one row a
+    block), as the mixer calls them and with every option: no stack."""
+    for record in aot.capture_layer("bfloat16", features, preset="2.7b"):
         use = aot.resource_usage(aot.export_cubin(record, "sm_90"))
         assert use["stack_bytes"] == 0, (record.kernel._pyfunc.__name__, use)

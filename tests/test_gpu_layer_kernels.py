@@ -5,7 +5,8 @@ from the *rounded* device inputs, on fresh random inputs (a new seed per run, pr
 failure; ``SSD_TEST_SEED`` replays a run), written into an output buffer filled with NaN before
 the launch, so that an element the kernel does not write fails. Inputs come in the layouts the
 mixer hands over: xBC and z as column slices of a wider (b, l, d_in_proj) tensor, read in place.
-Then the mixer with ``kernels="cutile"`` is compared with ``kernels="torch"``: its output, its
+The conv's and norm's backward kernels are held to their PyTorch backwards in float64 (normwise,
+section "backwards"). Then the mixer with ``kernels="cutile"`` is compared with ``kernels="torch"``: its output, its
 gradients (the conv and norm's autograd Functions of ``ssd.layer_autograd``) and its decode
 steps (the conv step kernel) against the forward.
 
@@ -232,6 +233,82 @@ def test_gated_rmsnorm_matches_float64_reference(name, dtype, gpu_record):
                  + TINY[dtype])
     check("layer-gated_rmsnorm", got, want, bound, gpu_record, shape=name,
           dims=[b, l, d, groups], dtype=dtype, seed=seed)
+
+
+# ----------------------------------------------------------------------------- backwards
+
+# The conv's and the norm's backward kernels against their PyTorch backwards
+# (ssd.layer_autograd, checked against torch.autograd of the float64 layer on the CPU) in
+# float64 on the values the kernels read, NaN-poisoned outputs. Normwise relative error per
+# gradient: both compute in fp32 from the same inputs, so what differs is the kernels' fp32
+# rounding of sums of n terms (n u32: the w^2 products of dx, the b l positions of dweight and
+# dbias, the group's G channels of the norm's row sums and its rows of dweight) and dx, dy and
+# dz's one rounding to their dtype (u). Allowed twice that plus 2^-20: a wrong tap, reset, slope
+# or group moves the affected elements by their own size.
+BACKWARD_CONV = ("seqlen-below-width", "odd-channels", "width-3", "no-bias-no-silu", "130m",
+                 "seq_idx-initial_states")
+BACKWARD_NORM = ("odd-groups", "partial-row-block", "2.7b", "codestral-7b")
+
+
+def backward_check(label, got, want, terms, dtype, record, **fields):
+    for key, g64 in want.items():
+        if g64 is None:
+            assert got[key] is None, key
+            continue
+        rounding = UNIT_ROUNDOFF[dtype] if got[key].dtype == getattr(torch, dtype) else 0.0
+        allowed = 2 * (rounding + terms[key] * U32) + 2.0**-20
+        err = rel_err(got[key], g64)
+        record.append(dict(record="mixer", test=label, grad=key, dtype=dtype, rel_err=err,
+                           tol=allowed, **fields))
+        assert err <= allowed, f"{label} {fields} d{key}: {err:.3e} > {allowed:.3e}"
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("name", BACKWARD_CONV)
+def test_causal_conv1d_backward_matches_float64(name, dtype, gpu_record):
+    from ssd.kernels.causal_conv1d import causal_conv1d_backward
+    from ssd.layer_autograd import causal_conv1d_backward as torch_backward
+    from ssd.validate import poisoned_memory
+
+    seed = seed_for(f"conv-backward/{name}/{dtype}")
+    inputs, activation = conv_inputs(name, dtype, seed)
+    b, l, c, w = CONV_CASES[name][:4]
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    dout = torch.randn(b, l, c, generator=gen, device="cuda").to(inputs["x"].dtype)
+    with poisoned_memory():
+        got = causal_conv1d_backward(dout, **inputs, silu=activation is not None)
+    as64 = {k: v if v is None or k == "seq_idx" else v.double() for k, v in inputs.items()}
+    want = torch_backward(dout.double(), **as64, activation=activation)
+    assert list(got) == list(want)
+    terms = dict(dx=w * w + 8, dweight=b * l, dbias=b * l, dinitial_states=w * w + 8)
+    backward_check("layer-conv-backward-vs-float64", got, want, terms, dtype, gpu_record,
+                   shape=name, seed=seed)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize("name", BACKWARD_NORM)
+def test_gated_rmsnorm_backward_matches_float64(name, dtype, gpu_record):
+    from ssd.kernels.gated_rmsnorm import gated_rmsnorm_backward
+    from ssd.layer_autograd import gated_rmsnorm_backward as torch_backward
+    from ssd.validate import poisoned_memory
+
+    b, l, d, groups, row = NORM_CASES[name]
+    seed = seed_for(f"norm-backward/{name}/{dtype}")
+    t = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    y = torch.randn(b, l, d, generator=gen, device="cuda").to(t)
+    z = columns(gen, b, l, d, row, 0, t)
+    weight = 1.0 + 0.1 * torch.randn(d, generator=gen, device="cuda")
+    dout = torch.randn(b, l, d, generator=gen, device="cuda").to(t)
+    with poisoned_memory():
+        got = gated_rmsnorm_backward(dout, y, z, weight, d // groups, 1e-5)
+    want = torch_backward(dout.double(), y.double(), z.double(), weight.double(), d // groups,
+                          1e-5)
+    assert list(got) == list(want)
+    G = d // groups
+    terms = dict(dy=G + 16, dz=G + 16, dweight=b * l)
+    backward_check("layer-norm-backward-vs-float64", got, want, terms, dtype, gpu_record,
+                   shape=name, seed=seed)
 
 
 # ----------------------------------------------------------------------------- the mixer

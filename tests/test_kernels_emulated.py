@@ -1,8 +1,8 @@
 """The cuTile kernels' tile code run on the CPU by tests/tile_emulator.py, against the float64
 PyTorch and NumPy references: every backward stage, the forward's stages in each layout (split
 and fused stage 2, the grouped walk, the fused scan, chunk_scan's tilings), the varlen states,
-the layer's conv, its decode step and norm, and the SSM decode step. Index arithmetic, masks, padding and which
-elements each kernel writes (outputs poisoned with NaN) are checked in CI without a GPU; the
+the layer's conv and norm with their backwards, the conv's decode step, and the SSM decode step.
+Index arithmetic, masks, padding and which elements each kernel writes (outputs poisoned with NaN) are checked in CI without a GPU; the
 rounding of real MMAs, scheduling and speed are the GPU tests' (tests/test_gpu_*.py).
 
 Small shapes and few blocks (the emulator runs a block's Python body per block): the edge
@@ -169,9 +169,10 @@ def test_chunk_state_backward_adds_into_dx(name):
     assert got["dx"] is into
     close(got["dx"], want["dx"] + prior.double(), "dx")
     with pytest.raises(ValueError, match="dx_into: must be contiguous"):
+        strided = prior.transpose(1, 2).contiguous().transpose(1, 2)
         STATE.chunk_state_backward_cutile(g["dstates"].float(), t["B"], t["x"],
                                           ref["dt_out"].float(), ref["dA_cumsum"].float(),
-                                          dx_into=prior.transpose(1, 2).contiguous().transpose(1, 2))
+                                          dx_into=strided)
 
 
 @pytest.mark.parametrize("tiles", CONFIGS)
@@ -455,6 +456,37 @@ def test_causal_conv1d(block):
                                        **{k: v.double().numpy() if v.is_floating_point() else
                                           v.numpy() for k, v in options.items()})
         close(got, torch.from_numpy(want), f"conv {sorted(options)}")
+
+
+@pytest.mark.parametrize("block", [8, 64])
+@pytest.mark.parametrize("silu", [True, False])
+def test_causal_conv1d_backward(block, silu):
+    """The conv's backward kernel against layer_autograd's PyTorch backward in float64: x a
+    column slice (strided rows, as in the layer), with and without bias, seq_idx and an initial
+    state; 8 x 8 blocks leave the last row and channel blocks part-filled."""
+    from ssd.layer_autograd import causal_conv1d_backward
+
+    rng = np.random.default_rng(10)
+    b, l, c, w = 2, 21, 12, 4
+    wide = torch.from_numpy(rng.standard_normal((b, l, c + 5))).float()
+    x = wide[..., 3:3 + c]
+    weight, bias, dout = (torch.from_numpy(rng.standard_normal(s)).float()
+                          for s in ((c, w), (c,), (b, l, c)))
+    init = torch.from_numpy(rng.standard_normal((b, c, w - 1))).float()
+    seq_idx = torch.tensor([[0] * 9 + [1] * 12, [0] * 2 + [1] * 19], dtype=torch.int32)
+    for options in (dict(), dict(bias=bias, seq_idx=seq_idx, initial_states=init)):
+        got = emulated(CONV.causal_conv1d_backward, dout, x, weight, **options, silu=silu,
+                       config=Conv1dConfig(backward_block_l=block, backward_block_c=block))
+        want = causal_conv1d_backward(dout.double(), x.double(), weight.double(),
+                                      **{k: v.double() if v.is_floating_point() else v
+                                         for k, v in options.items()},
+                                      activation="silu" if silu else None)
+        assert list(got) == list(want)
+        for k in want:
+            if want[k] is None:
+                assert got[k] is None, k
+            else:
+                close(got[k], want[k], f"{k} {sorted(options)}")
 
 
 @pytest.mark.parametrize("group_size", [4, 6])

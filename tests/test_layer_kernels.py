@@ -436,6 +436,13 @@ def kernels_on_the_cpu(monkeypatch):
         got = LA.gated_rmsnorm_torch(y, z, weight, group_size, eps)
         return got if out is None else out.copy_(got)
 
+    def conv_backward(dout, x, weight, bias=None, seq_idx=None, initial_states=None, silu=True,
+                      config=None):
+        bare(dout, x, weight, bias, initial_states)
+        launched.append("causal_conv1d_backward")
+        return LA.causal_conv1d_backward(dout, x, weight, bias, seq_idx, initial_states,
+                                         "silu" if silu else None)
+
     def norm_backward(dout, y, z, weight, group_size, eps):
         bare(dout, y, z, weight)
         launched.append("gated_rmsnorm_backward")
@@ -444,6 +451,7 @@ def kernels_on_the_cpu(monkeypatch):
     monkeypatch.setattr(layer_ops._conv, "causal_conv1d", conv)
     monkeypatch.setattr(layer_ops._norm, "gated_rmsnorm", norm)
     monkeypatch.setattr(layer_ops._norm, "gated_rmsnorm_backward", norm_backward)
+    monkeypatch.setattr(layer_ops._conv, "causal_conv1d_backward", conv_backward)
     monkeypatch.setattr(layer_ops, "_check_cuda", lambda name, t: None)
     return layer_ops, launched
 
@@ -495,7 +503,8 @@ def test_mixer_with_cutile_kernels_has_the_torch_kernels_gradients(monkeypatch, 
         mixer(leaf).backward(dout)
         grads[kernels] = {"u": leaf.grad, **{n: p.grad.clone()
                                              for n, p in mixer.named_parameters()}}
-    assert launched == ["causal_conv1d", "gated_rmsnorm", "gated_rmsnorm_backward"]
+    assert launched == ["causal_conv1d", "gated_rmsnorm", "gated_rmsnorm_backward",
+                        "causal_conv1d_backward"]
     for name, want in grads["torch"].items():
         got = grads["cutile"][name]
         err = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))

@@ -156,7 +156,7 @@ def capture_decode(dtype: str, features: str, state_dtype: str = "float32", dims
 
 def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 2,
                   seqlen: int = 300):
-    """Run the launchers of the layer's conv, norm (and its backward) and conv step
+    """Run the launchers of the layer's conv and norm (and their backwards) and conv step
     (:mod:`ssd.kernels.causal_conv1d`, :mod:`ssd.kernels.gated_rmsnorm`,
     :mod:`ssd.kernels.conv_step`) on empty CPU tensors in the
     layouts the mixer hands them, and return the recorded launches: xBC and z column slices of
@@ -169,7 +169,7 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     options)."""
     import torch
 
-    from ..kernels.causal_conv1d import causal_conv1d
+    from ..kernels.causal_conv1d import causal_conv1d, causal_conv1d_backward
     from ..kernels.conv_step import conv_step
     from ..kernels.gated_rmsnorm import gated_rmsnorm, gated_rmsnorm_backward
     from ..layer import PRESETS
@@ -189,6 +189,8 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
     bias = torch.empty(cfg.conv_dim, dtype=t)
     with launch.capture() as records:
         causal_conv1d(xBC, weight, bias, **extra)
+        causal_conv1d_backward(torch.empty(b, l, cfg.conv_dim, dtype=t), xBC, weight, bias,
+                               **extra)
         y = torch.empty(b, l, cfg.d_inner, dtype=t)
         gated_rmsnorm(y, z, torch.empty(cfg.d_inner), cfg.d_inner // cfg.ngroups, 1e-5)
         gated_rmsnorm_backward(torch.empty_like(y), y, z, torch.empty(cfg.d_inner),
