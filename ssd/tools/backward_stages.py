@@ -141,8 +141,9 @@ def run(shapes, chunks=(64, 256), splits=(), reps=30, block_qs=()) -> dict:
             del calls, leaves
             torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, mode="graph (eager where a record says so)",
-                    l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events", statistic="median", dtype="bfloat16",
-                    chunks=list(chunks), head_splits=list(splits), block_q=list(block_qs))
+                    l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events",
+                    statistic="median", dtype="bfloat16", chunks=list(chunks),
+                    head_splits=list(splits), block_q=list(block_qs))
     return dict(records=records, settings=settings)
 
 
