@@ -126,7 +126,7 @@ class ChunkScanCombined(torch.autograd.Function):
             initial_states=named["initial_states"], seq_idx=seq_idx,
             dt_softplus=opts.dt_softplus, dt_limit=opts.dt_limit, dfinal_states=dfinal_states,
             dt_out=dt_out, dA_cumsum=dA_cumsum, prev_states=prev_states,
-            backwards=opts.backwards)
+            backwards=opts.backwards, dx_dtype=named["x"].dtype)
         out = [grads["d" + k].to(t.dtype) if t is not None and ctx.needs_input_grad[i + 1] else None
                for i, (k, t) in enumerate(named.items())]
         return (None, *out, None)

@@ -249,17 +249,19 @@ def chunk_cumsum_backward_torch(ddt_out, ddA_cumsum, dt, A, chunk_size, dt_bias=
     return out
 
 
-def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *, dx_into=None):
+def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *,
+                               dx_prior=None, dx_dtype=None):
     """The backward of stage 2 (``ssd.reference_backward.chunk_state_backward``).
 
     Args:
         dstates: (b, c, h, p, n) gradient of states.
         B, x, dt_out, dA_cumsum, seq_idx: the forward's arguments.
-        dx_into: optional (b, l, h, p) tensor in dstates' dtype, x's other gradient (chunk_scan's):
-            this stage's dx is added into it, in place, and it is returned as dx.
+        dx_prior: optional (b, l, h, p) tensor in dstates' dtype, x's other gradient
+            (chunk_scan's), added to this stage's dx (only read).
+        dx_dtype: dx's dtype (None: dstates').
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions (dx: plus dx_into's), in dstates' dtype.
+        stage's contributions (dx: plus dx_prior, in dx_dtype), in dstates' dtype.
     """
     b, l, h, p, g, n, c, q = _group_sizes(x, B, dA_cumsum)
     r, f = h // g, dstates.dtype
@@ -280,7 +282,9 @@ def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *
     ddA = -dexponent
     ddA[:, :, -1] += dexponent.sum(2)
     dx = _unchunk(dx_c, l).reshape(b, l, h, p)
-    return {"dB": _unchunk(dB_c, l), "dx": dx if dx_into is None else dx_into.add_(dx),
+    if dx_prior is not None:
+        dx = dx + dx_prior
+    return {"dB": _unchunk(dB_c, l), "dx": dx.to(dx_dtype or f),
             "ddt_out": _by_head(dweight) * decay, "ddA_cumsum": _by_head(ddA)}
 
 
@@ -585,7 +589,8 @@ def default_backwards(x: torch.Tensor) -> StageBackwards:
 def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                          initial_states=None, seq_idx=None, dt_softplus=False,
                          dt_limit=(0.0, INF), *, dfinal_states=None, dt_out=None,
-                         dA_cumsum=None, prev_states=None, backwards: StageBackwards | None = None):
+                         dA_cumsum=None, prev_states=None, backwards: StageBackwards | None = None,
+                         dx_dtype=None):
     """The gradients of the chunked SSD: its four stages differentiated in reverse
     (``ssd.reference_backward.ssd_chunked_backward`` on tensors), each stage's backward taken
     from ``backwards``.
@@ -601,9 +606,12 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
             (chunk_state and state_passing in PyTorch).
         backwards: the stage implementations (None: :func:`default_backwards` of x;
             :data:`TORCH_BACKWARDS` forces PyTorch).
+        dx_dtype: dx's dtype (None: the compute dtype); the autograd Function asks for x's, which
+            the last stage to add to dx then writes directly.
     Returns:
-        dict of gradients in the compute dtype (:func:`compute_dtype`): dx, ddt, dA, dB, dC
-        and, where given, dD, dz, ddt_bias, dinitial_states (the reference's keys and order).
+        dict of gradients in the compute dtype (:func:`compute_dtype`; dx in dx_dtype): dx, ddt,
+        dA, dB, dC and, where given, dD, dz, ddt_bias, dinitial_states (the reference's keys
+        and order).
     """
     f = compute_dtype(x)
     stage = backwards or default_backwards(x)
@@ -622,10 +630,10 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     # 3. state_passing: back over the chunks, from the final state's gradient
     passing = stage.state_passing(scan.pop("dprev_states"), prev_states, dA_cumsum,
                                   initial_states, seq_idx, dfinal_states=dfinal_states)
-    # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum; its dx
-    #    is added into chunk_scan's in place (no third (b, l, h, p) buffer, no sum pass)
+    # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum; its kernel
+    #    adds chunk_scan's dx and writes the sum in dx_dtype (no sum pass, no cast pass)
     state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx,
-                              dx_into=scan["dx"])
+                              dx_prior=scan.pop("dx"), dx_dtype=dx_dtype)
     # 1. chunk_cumsum: every stage's dt' and dA_cumsum gradients, back to dt, A, dt_bias
     cumsum = stage.chunk_cumsum(
         scan["ddt_out"] + state["ddt_out"],

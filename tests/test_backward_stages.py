@@ -52,19 +52,20 @@ def test_breakdown_adds_up_and_the_table_marks_the_default():
               forward=0.3, **{"forward+backward": 1.3})
     records = [dict(where, what=k, median_ms=v, head_splits=4 if k == "chunk_scan" else None)
                for k, v in ms.items()]
-    records += [dict(where, what="chunk_scan (split sweep)", head_splits=s, default=s == 4,
+    records += [dict(where, what="chunk_scan (sweep)", head_splits=s, block_q=64, default=s == 4,
                      median_ms=0.6 / s) for s in (1, 4)]
     (row,) = BS.breakdown(records)
     assert row["stages"] == pytest.approx(0.85) and row["backward"] == pytest.approx(1.0)
     assert row["between stages"] == pytest.approx(0.15)
     text = BS.table(dict(records=records, settings=dict(reps=30)))
-    assert "     4*     0.150" in text and "     1      0.600" in text
+    assert "     4   64*     0.150" in text and "     1   64      0.600" in text
 
 
 @pytest.mark.parametrize("argv, match", [(["--shapes", "nope"], "--shapes: nope unknown"),
                                          (["--chunks", "48"], r"--chunks: \[48\]"),
                                          (["--head-splits", "0"], r"--head-splits: \[0\]"),
-                                         (["--head-splits", "a"], "comma-separated integers")])
+                                         (["--head-splits", "a"], "comma-separated integers"),
+                                         (["--block-q", "48"], r"--block-q: \[48\]")])
 def test_bad_arguments_are_refused_by_name(argv, match, capsys):
     with pytest.raises(SystemExit):
         BS.main(argv)

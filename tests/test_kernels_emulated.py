@@ -155,24 +155,26 @@ def test_chunk_state_backward(name, tiles):
 
 
 @pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx"])
-def test_chunk_state_backward_adds_into_dx(name):
-    """With dx_into (chunk_scan's dx, as the backward passes it), the dx kernel adds its part
-    into that tensor in place, every element of it, padded tails included."""
+def test_chunk_state_backward_adds_dx_prior(name):
+    """With dx_prior (chunk_scan's dx, as the backward passes it), the dx kernel adds it to its
+    own part, every element, padded tails included, and writes the sum in dx_dtype (x's, where
+    dx is the final gradient); dx_prior is only read."""
     spec, t, ref, g = problem(name)
     prior = torch.randn(t["x"].shape, generator=torch.Generator().manual_seed(3))
-    into = prior.clone()
     want = TB.chunk_state_backward_torch(g["dstates"], t["B"].double(), t["x"].double(),
                                          ref["dt_out"], ref["dA_cumsum"], t.get("seq_idx"))
-    got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), t["B"], t["x"],
-                   ref["dt_out"].float(), ref["dA_cumsum"].float(), t.get("seq_idx"),
-                   dx_into=into, config=SMALL_BACKWARD["state"])
-    assert got["dx"] is into
-    close(got["dx"], want["dx"] + prior.double(), "dx")
-    with pytest.raises(ValueError, match="dx_into: must be contiguous"):
+    for dtype, rtol in ((None, RTOL), (torch.float16, FP16_RTOL)):
+        kept = prior.clone()
+        got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), t["B"], t["x"],
+                       ref["dt_out"].float(), ref["dA_cumsum"].float(), t.get("seq_idx"),
+                       dx_prior=kept, dx_dtype=dtype, config=SMALL_BACKWARD["state"])
+        assert got["dx"].dtype == (dtype or torch.float32) and torch.equal(kept, prior)
+        close(got["dx"], want["dx"] + prior.double(), f"dx {dtype}", rtol=rtol)
+    with pytest.raises(ValueError, match="dx_prior: must be contiguous"):
         strided = prior.transpose(1, 2).contiguous().transpose(1, 2)
         STATE.chunk_state_backward_cutile(g["dstates"].float(), t["B"], t["x"],
                                           ref["dt_out"].float(), ref["dA_cumsum"].float(),
-                                          dx_into=strided)
+                                          dx_prior=strided)
 
 
 @pytest.mark.parametrize("tiles", CONFIGS)

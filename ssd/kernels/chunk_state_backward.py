@@ -88,7 +88,8 @@ def build_dx_kernel(index_dtype=ct.int32):
         dt_out: Array,      # (b, h, c, q)
         dA_cumsum: Array,   # (b, h, c, q)
         seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
-        dx: Array,          # (b, l, h, p) out (in and out: += with ACCUMULATE)
+        dx_prior: Array,    # (b, l, h, p) x's other gradient, added (ignored unless ACCUMULATE)
+        dx: Array,          # (b, l, h, p) out
         ddt_out: Array,     # (b, h, c, q) out
         ddA_cumsum: Array,  # (b, h, c, q) out
         seqlen: int,
@@ -129,8 +130,10 @@ def build_dx_kernel(index_dtype=ct.int32):
                 xt = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
                              padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P)).astype(ct.float32)
                 dxt = w[:, None] * dsb  # [S, P]
-                if ACCUMULATE:  # x's other gradient, read and written back by this block alone
-                    dxt = dxt + ct.load(dx, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
+                if ACCUMULATE:  # x's other gradient, from its own array: read in place from
+                    # dx, the kernel spilled 1.6 KB a thread on sm_90 (0.4 KB as it is, as without)
+                    dxt = dxt + ct.load(dx_prior, index=(ib, row, ih, ip),
+                                        shape=(1, BLOCK_S, 1, BLOCK_P),
                                         padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P))
                 ct.store(dx, index=(ib, row, ih, ip),
                          tile=dxt.reshape((1, BLOCK_S, 1, BLOCK_P)).astype(dx.dtype))
@@ -207,7 +210,8 @@ def build_db_kernel(index_dtype=ct.int32):
     return chunk_state_backward_dB_kernel
 
 
-def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *, dx_into=None,
+def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *, dx_prior=None,
+                                dx_dtype=None,
                                 config: StateBackwardConfig = StateBackwardConfig()):
     """The backward of chunk_state in cuTile: the arguments and result of
     :func:`ssd.backward.chunk_state_backward_torch`, plus the tiles (``config``).
@@ -217,11 +221,15 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
         B: (b, l, g, n), x: (b, l, h, p), fp32 / bf16 / fp16, h a multiple of g.
         dt_out, dA_cumsum: (b, h, c, q), the forward's stage-1 outputs, c = ceil(l / q).
         seq_idx: optional (b, l) int32 / int64.
-        dx_into: optional contiguous (b, l, h, p) tensor in dstates' dtype, x's other gradient:
-            the kernel adds this stage's dx into it, in place, and it is returned as dx.
+        dx_prior: optional contiguous (b, l, h, p) tensor in dstates' dtype, x's other gradient
+            (chunk_scan's): the kernel adds it to this stage's dx (it is only read), so that no
+            sum pass follows.
+        dx_dtype: dx's dtype (None: dstates'), e.g. x's where dx is the final gradient, so that
+            no cast pass follows.
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions (dx: plus dx_into's), in dstates' dtype, computed in fp32.
+        stage's contributions (dx: plus dx_prior, in dx_dtype), in dstates' dtype, computed in
+        fp32.
     Raises:
         ValueError naming an argument of the wrong shape or dtype.
     """
@@ -244,12 +252,12 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
     dev, f = dstates.device, dstates.dtype
     dstates, B, x, dt_out, dA_cumsum = (t.contiguous() for t in (dstates, B, x, dt_out, dA_cumsum))
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
-    if dx_into is not None:
-        check_array("dx_into", dx_into, (b, l, h, p), (f,))
-        if not dx_into.is_contiguous() or dx_into.device != dev:
-            raise ValueError(f"dx_into: must be contiguous and on {dev} (the kernel adds into it "
-                             f"in place), got {dx_into.device}, strides {dx_into.stride()}")
-    dx = torch.empty((b, l, h, p), device=dev, dtype=f) if dx_into is None else dx_into
+    if dx_prior is not None:
+        check_array("dx_prior", dx_prior, (b, l, h, p), (f,))
+        if not dx_prior.is_contiguous() or dx_prior.device != dev:
+            raise ValueError(f"dx_prior: must be contiguous and on {dev}, got {dx_prior.device}, "
+                             f"strides {dx_prior.stride()}")
+    dx = torch.empty((b, l, h, p), device=dev, dtype=dx_dtype or f)
     dB = torch.empty((b, l, g, n), device=dev, dtype=f)
     ddt_out = torch.empty((b, h, c, q), device=dev, dtype=f)
     ddA = torch.empty((b, h, c, q), device=dev, dtype=f)
@@ -263,8 +271,8 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
                   BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=seq is not None)
     index = index_dtype_for(dstates, B, x, dx)
     launch(build_dx_kernel(index), (b * c, h), dict(
-        shared, B=B, dx=dx, ddt_out=ddt_out, ddA_cumsum=ddA, n_tiles=n_tiles,
-        ACCUMULATE=dx_into is not None), device=dev)
+        shared, B=B, dx_prior=optional(dx_prior, 4, f, dev), dx=dx, ddt_out=ddt_out,
+        ddA_cumsum=ddA, n_tiles=n_tiles, ACCUMULATE=dx_prior is not None), device=dev)
     splits = config.head_splits or head_splits(b * c * g * n_tiles, h // g, gpu_facts(dev)[1])
     if (h // g) % splits:
         raise ValueError(f"head_splits={splits} must divide the heads per group ({h // g})")

@@ -242,8 +242,8 @@ def capture_backward(dtype: str, features: str):
             dfinal_states=torch.randn(b, h, p, n) if every else None)
         state = chunk_state_backward_cutile(
             passing["dstates"], torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
-            dt_out, -torch.rand(b, h, c, q), seq_idx,
-            dx_into=torch.randn(b, l, h, p) if every else None)  # the backward's: into scan's dx
+            dt_out, -torch.rand(b, h, c, q), seq_idx,  # the backward's: scan's dx added, the
+            dx_prior=torch.randn(b, l, h, p), dx_dtype=t)  # sum in x's dtype
         chunk_cumsum_backward_cutile(
             state["ddt_out"], state["ddA_cumsum"], torch.randn(b, l, h, dtype=t), -torch.rand(h),
             q, dt_bias=torch.randn(h) if every else None, dt_softplus=every,

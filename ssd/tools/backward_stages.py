@@ -8,9 +8,10 @@ kept (:func:`stage_calls`), then times each stage's backward alone on exactly th
 ``chunk_scan`` (its three kernels and the gate and skip around them), ``state_passing``,
 ``chunk_state``, ``chunk_cumsum``. Beside them: the forward, and the forward + backward, so that
 "between stages" (the backward's sums and casts outside the stages) is what is left. With
-``--head-splits`` it also times ``chunk_scan``'s backward at each of those splits of a group's
-heads (``ScanBackwardConfig.head_splits``; the default rule's choice is marked): the knob that
-trades blocks for a buffer.
+``--head-splits`` and/or ``--block-q`` it also times ``chunk_scan``'s backward at each of those
+splits of a group's heads (``ScanBackwardConfig.head_splits``: blocks for a buffer) and row and
+column tiles (``block_q``: at 64 its columns kernel spills on sm_90, at 32 its rows kernel does),
+the defaults' point marked.
 
 Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
 removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
@@ -93,9 +94,10 @@ def timed(fn, reps) -> dict:
                     graph_error=f"{type(exc).__name__}: {exc}"[:300])
 
 
-def run(shapes, chunks=(64, 256), splits=(), reps=30) -> dict:
+def run(shapes, chunks=(64, 256), splits=(), reps=30, block_qs=()) -> dict:
     """Time every stage's backward, the forward and the forward + backward of each shape at each
-    chunk size (and chunk_scan's at ``splits``); return the payload (records, settings)."""
+    chunk size (and chunk_scan's at each of ``splits`` x ``block_qs``, either alone with the
+    other's default); return the payload (records, settings)."""
     import dataclasses
 
     import torch
@@ -115,11 +117,17 @@ def run(shapes, chunks=(64, 256), splits=(), reps=30) -> dict:
                 records.append(dict(where, what=stage, **timed(lambda: fn(*args, **kwargs), reps),
                                     head_splits=default if stage == "chunk_scan" else None))
             fn, args, kwargs = calls["chunk_scan"]
-            for s in tried:
-                config = dataclasses.replace(ScanBackwardConfig(), head_splits=s)
+            base = ScanBackwardConfig()
+            points = []
+            if tried or block_qs:
+                points = [(bq, s) for bq in (block_qs or (base.block_q,))
+                          for s in (tried or (default,))]
+            for bq, s in points:
+                config = dataclasses.replace(base, head_splits=s, block_q=bq)
                 stats = timed(lambda: fn(*args, **dict(kwargs, config=config)), reps)
-                records.append(dict(where, what="chunk_scan (split sweep)", head_splits=s,
-                                    default=s == default, **stats))
+                records.append(dict(where, what="chunk_scan (sweep)", head_splits=s,
+                                    block_q=min(bq, q), default=s == default and bq == base.block_q,
+                                    **stats))
             leaves = leaves_of(make_inputs(shape))
             x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
 
@@ -133,8 +141,9 @@ def run(shapes, chunks=(64, 256), splits=(), reps=30) -> dict:
             del calls, leaves
             torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, mode="graph (eager where a record says so)",
-                    l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events", statistic="median", dtype="bfloat16",
-                    chunks=list(chunks), head_splits=list(splits))
+                    l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events",
+                    statistic="median", dtype="bfloat16", chunks=list(chunks),
+                    head_splits=list(splits), block_q=list(block_qs))
     return dict(records=records, settings=settings)
 
 
@@ -144,7 +153,7 @@ def breakdown(records) -> list[dict]:
     minus the stages' sum)."""
     rows = {}
     for r in records:
-        if r["what"] == "chunk_scan (split sweep)":
+        if r["what"] == "chunk_scan (sweep)":
             continue
         row = rows.setdefault((r["shape"], r["chunk_size"]),
                               dict(shape=r["shape"], chunk_size=r["chunk_size"]))
@@ -161,19 +170,20 @@ def breakdown(records) -> list[dict]:
 
 
 def table(payload) -> str:
-    """The breakdown as text, then chunk_scan's split sweep (``*``: the default's choice)."""
+    """The breakdown as text, then chunk_scan's sweep (``*``: the defaults' point)."""
     cols = [*STAGES, "stages", "between stages", "backward", "forward", "forward+backward"]
     lines = [f"ms, CUDA-graph replay, L2 flushed, median of {payload['settings']['reps']}",
              f"{'shape':13s} {'q':>4s} {'splits':>6s} " + " ".join(f"{c[:13]:>13s}" for c in cols)]
     for row in breakdown(payload["records"]):
         lines.append(f"{row['shape']:13s} {row['chunk_size']:4d} {row['head_splits']:6d} "
                      + " ".join(f"{row[c]:13.3f}" for c in cols))
-    sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (split sweep)"]
+    sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
     if sweep:
-        lines.append("chunk_scan's backward by head_splits (* the default rule's choice)")
+        lines.append("chunk_scan's backward by head_splits and block_q (* the defaults)")
         for r in sweep:
-            lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {r['head_splits']:6d}"
-                         f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
+            lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {r['head_splits']:6d} "
+                         f"{r['block_q']:4d}{'*' if r['default'] else ' '} "
+                         f"{r['median_ms']:9.3f}")
     return "\n".join(lines)
 
 
@@ -190,6 +200,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-splits", default="",
                         help="chunk_scan's backward also at these head splits, e.g. 1,2,4,8 "
                              "(those that divide a shape's heads per group)")
+    parser.add_argument("--block-q", default="",
+                        help="chunk_scan's backward also at these row and column tiles, e.g. "
+                             "32,64 (powers of two)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="output JSON (default results/<gpu>/backward_stages.json)")
     args = parser.parse_args(argv)
@@ -199,15 +212,18 @@ def main(argv=None) -> int:
     try:
         chunks = tuple(int(v) for v in args.chunks.split(","))
         splits = tuple(int(v) for v in args.head_splits.split(",") if v)
+        block_qs = tuple(int(v) for v in args.block_q.split(",") if v)
     except ValueError as exc:
-        parser.error(f"--chunks/--head-splits: comma-separated integers ({exc})")
+        parser.error(f"--chunks/--head-splits/--block-q: comma-separated integers ({exc})")
     if bad := [q for q in chunks if q not in (16, 32, 64, 128, 256)]:
         parser.error(f"--chunks: {bad} not in 16, 32, 64, 128, 256")
     if bad := [s for s in splits if s < 1]:
         parser.error(f"--head-splits: {bad} not positive")
+    if bad := [v for v in block_qs if v < 8 or v & (v - 1)]:
+        parser.error(f"--block-q: {bad} not powers of two of at least 8")
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
-    payload = dict(run(shapes, chunks, splits, args.reps), environment=env)
+    payload = dict(run(shapes, chunks, splits, args.reps, block_qs), environment=env)
     out = args.out or RESULTS / gpu_slug(env["gpu"]) / "backward_stages.json"
     write_json(out, payload)
     print(table(payload))
