@@ -59,17 +59,22 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def torch_ops():
     """A context manager class: inside ``with torch_ops() as ops``, ``ops.names`` lists the name
-    of every torch operator that runs (on a GPU each would be a launch of its own)."""
+    of every torch operator that runs (on a GPU each would be a launch of its own), and
+    ``ops.shapes`` the shape of each one's (first) tensor output, or None."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.names = []
+            self.names, self.shapes = [], []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            first = out[0] if isinstance(out, (tuple, list)) and out else out
             self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
+            self.shapes.append(tuple(first.shape) if isinstance(first, torch.Tensor) else None)
+            return out
 
     return Ops
 

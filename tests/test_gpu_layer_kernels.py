@@ -212,18 +212,26 @@ NORM_CASES = {
 }
 
 
+def norm_inputs(name, dtype, seed):
+    """y (b, l, d), z the first d columns of a wider tensor (as in the layer), the fp32 weight
+    (as the layer's), and the generator that drew them."""
+    b, l, d, groups, row = NORM_CASES[name]
+    t = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    y = torch.randn(b, l, d, generator=gen, device="cuda").to(t)
+    z = columns(gen, b, l, d, row, 0, t)
+    return y, z, 1.0 + 0.1 * torch.randn(d, generator=gen, device="cuda"), gen
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(NORM_CASES))
 def test_gated_rmsnorm_matches_float64_reference(name, dtype, gpu_record):
     from ssd.layer_ops import gated_rmsnorm
 
-    b, l, d, groups, row = NORM_CASES[name]
+    b, l, d, groups, _ = NORM_CASES[name]
     seed = seed_for(f"norm/{name}/{dtype}")
     t = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    y = torch.randn(b, l, d, generator=gen, device="cuda").to(t)
-    z = columns(gen, b, l, d, row, 0, t)
-    weight = 1.0 + 0.1 * torch.randn(d, generator=gen, device="cuda")  # fp32, as the layer's
+    y, z, weight, _ = norm_inputs(name, dtype, seed)
     out = torch.full((b, l, d), float("nan"), device="cuda", dtype=t)
     got = gated_rmsnorm(y, z, weight, d // groups, 1e-5, out=out)
     assert got is out
@@ -292,14 +300,10 @@ def test_gated_rmsnorm_backward_matches_float64(name, dtype, gpu_record):
     from ssd.layer_autograd import gated_rmsnorm_backward as torch_backward
     from ssd.validate import poisoned_memory
 
-    b, l, d, groups, row = NORM_CASES[name]
+    b, l, d, groups, _ = NORM_CASES[name]
     seed = seed_for(f"norm-backward/{name}/{dtype}")
-    t = getattr(torch, dtype)
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    y = torch.randn(b, l, d, generator=gen, device="cuda").to(t)
-    z = columns(gen, b, l, d, row, 0, t)
-    weight = 1.0 + 0.1 * torch.randn(d, generator=gen, device="cuda")
-    dout = torch.randn(b, l, d, generator=gen, device="cuda").to(t)
+    y, z, weight, gen = norm_inputs(name, dtype, seed)
+    dout = torch.randn(b, l, d, generator=gen, device="cuda").to(y.dtype)
     with poisoned_memory():
         got = gated_rmsnorm_backward(dout, y, z, weight, d // groups, 1e-5)
     want = torch_backward(dout.double(), y.double(), z.double(), weight.double(), d // groups,

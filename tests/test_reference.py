@@ -20,12 +20,14 @@ from ssd.problem import EDGE_SHAPES, ProblemSpec
 RTOL = 1e-12
 
 
-def assert_close(actual, expected, name, rtol=RTOL):
-    """Relative Frobenius error AND max-abs error (scaled by max(1, max|expected|))."""
+def assert_close(actual, expected, name, rtol=RTOL, scale=0.0):
+    """Relative Frobenius error AND max-abs error (scaled by max(1, max|expected|)). ``scale``:
+    a floor for the relative error's norm, for a sum that may cancel to far below its terms
+    (its rounding is relative to the terms)."""
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
     err = actual - expected
-    norm = np.linalg.norm(expected)
+    norm = max(np.linalg.norm(expected), scale)
     rel = np.linalg.norm(err) / norm if norm > 0 else np.linalg.norm(err)
     max_abs = float(np.abs(err).max()) if err.size else 0.0
     max_scale = max(1.0, float(np.abs(expected).max())) if err.size else 1.0

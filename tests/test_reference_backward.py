@@ -6,7 +6,7 @@ CPU only, float64. Every comparison prints its error and asserts it.
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ssd import reference as R
@@ -329,9 +329,13 @@ def assert_backward_rungs_agree(spec, inputs, grads, chunk_size=None):
     got = RB.ssd_chunked_backward(grads["dy"], **inputs, chunk_size=chunk_size or spec.chunk_size,
                                   **flags(spec), dfinal_states=grads.get("dfinal_states"))
     assert list(got) == list(want)
+    # ddt_bias sums ddt over batch and positions; in another order, and where the sum cancels to
+    # far below its terms (3e-12 of it on one drawn problem), its rounding is relative to them
+    scale = {"ddt_bias": np.linalg.norm(np.abs(want["ddt"]).sum((0, 1)))} if "ddt_bias" in want \
+        else {}
     for key in want:
         assert_close(got[key], want[key], f"{spec.name} q={chunk_size or spec.chunk_size} "
-                                          f"{key} chunked vs recurrence")
+                                          f"{key} chunked vs recurrence", scale=scale.get(key, 0.0))
 
 
 @pytest.mark.parametrize("name", list(EDGE_SHAPES))
@@ -383,7 +387,9 @@ def specs(draw):
 
 @settings(max_examples=60, deadline=None)
 @given(spec=specs(), seed=st.integers(0, 2**32 - 1))
-def test_backward_rungs_agree_on_random_problems(spec, seed):
+@example(spec=ProblemSpec(2, 37, 1, 2, 3, 1, chunk_size=1, dt_bias=True, dt_softplus=True,
+                          seq_boundaries=((4, 7, 24, 27),) * 2, name="hypothesis"), seed=0)
+def test_backward_rungs_agree_on_random_problems(spec, seed):  # the example: ddt_bias cancels
     assert_backward_rungs_agree(spec, spec.make_inputs(seed), spec.make_output_grads(seed))
 
 
