@@ -183,7 +183,8 @@ gpu-tilegym-backward:
 # chunk_scan's backward at several head splits and tiles (ssd.tools.backward_stages): where
 # the backward's time goes, to tune it. Not part of make gpu (no chapter reads it yet).
 gpu-backward-stages:
-	$(GPU_PYTHON) -m ssd.tools.backward_stages --head-splits 1,2,4,8,16 --block-q 32,64 --reps 30
+	$(GPU_PYTHON) -m ssd.tools.backward_stages --head-splits 1,2,4,8 --block-q 32,64 --warps 4,8 \
+	  --reps 30
 
 # make gpu-tilegym: TileGym's own autotuner on each models shape (an exhaustive search, minutes a
 # shape), its chosen configurations kept in results/tilegym_tuned.json for gpu-bench to replay.

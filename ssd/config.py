@@ -192,20 +192,29 @@ class ScanBackwardConfig:
     diagonal tile of row block i is column block i), and a block owns one row block or one column
     block of one chunk for ``heads_per_group / head_splits`` heads of one group. The entering
     states' gradient, a chunk_state of (dy, C), reads ``block_k`` positions a step and owns
-    ``block_n`` state columns a block. ``occupancy`` as in StateConfig. ``head_splits`` (a
-    divisor of the heads per group; None: :func:`head_splits`' rule) cuts each group's heads
-    into that many blocks, whose partial dB and dC are summed after the kernels. Untimed
-    defaults; fp32 inputs take smaller tiles (:meth:`for_problem`)."""
+    ``block_n`` state columns a block. ``occupancy`` and ``warps`` as in StateConfig and
+    ScanConfig. ``head_splits`` (a divisor of the heads per group; None: :func:`head_splits`'
+    rule) cuts each group's heads into that many blocks, whose partial dB and dC are summed
+    after the kernels. ``rows_block_q`` (None: ``block_q``) gives the rows kernel tiles of its
+    own: it completes the column part of ddA_cumsum position by position, so the two tilings
+    need not match. On sm_90 (bf16, q 256, p 64, n 128) the columns kernel is spill-free at
+    64 with 8 warps and the rows kernel at 32 with 8 warps, and each spills otherwise
+    (``ssd.tools.aot.resource_usage``). Untimed defaults; fp32 inputs take smaller tiles
+    (:meth:`for_problem`)."""
 
     block_q: int = 64
     block_k: int = 64
     block_n: int = 64
     occupancy: int | None = None
     head_splits: int | None = None
+    warps: int | None = None
+    rows_block_q: int | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_n"):
             _check_pow2(name, getattr(self, name))
+        if self.rows_block_q is not None:
+            _check_pow2("rows_block_q", self.rows_block_q)
         _check_hints(self)
         _check_splits(self)
 
@@ -217,7 +226,8 @@ class ScanBackwardConfig:
         cap = lambda block: min(block, SCAN_BACKWARD_FP32_TILE) if fp32 else block  # noqa: E731
         return replace(self, block_q=cap(min(self.block_q, chunk_size)),
                        block_k=cap(min(self.block_k, chunk_size)),
-                       block_n=cap(min(self.block_n, next_pow2(dstate))))
+                       block_n=cap(min(self.block_n, next_pow2(dstate))),
+                       rows_block_q=cap(min(self.rows_block_q or self.block_q, chunk_size)))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ from ssd.tools import backward_stages as BS  # noqa: E402
 from ssd.tools.bench import Shape  # noqa: E402
 
 SMALL = Shape("small", 2, 40, 4, 8, 8, 2)
+STAGE_CALLS = BS.stage_calls
+MAKE_INPUTS = pytest.importorskip("ssd.tools.bench").make_inputs
+UPSTREAM = pytest.importorskip("ssd.tools.backward_bench").upstream
 
 
 def test_stage_calls_keep_what_each_stage_was_given():
@@ -46,26 +49,51 @@ def test_head_split_choices_divide_the_heads_per_group(wanted, splits):
     assert tried == splits and 2 % default == 0
 
 
+def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
+    """run() on the CPU with the timer replaced: chunk_scan's backward at each combination of
+    the swept fields, head splits that do not divide the heads per group skipped."""
+    import ssd.tools.backward_bench as BB
+    import ssd.tools.bench as bench
+
+    forward = functools.partial(autograd.chunk_scan_combined, stages=autograd.torch_stages)
+    monkeypatch.setattr(BS, "stage_calls", lambda shape, q: STAGE_CALLS(
+        shape, q, "float32", "cpu", forward, TORCH_BACKWARDS))
+    monkeypatch.setattr(BS, "timed", lambda fn, reps: dict(median_ms=1.0, mode="graph"))
+    monkeypatch.setattr(bench, "make_inputs", functools.partial(MAKE_INPUTS, device="cpu"))
+    monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
+    payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
+                     reps=3)
+    sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
+    assert sorted((r["head_splits"], r["warps"]) for r in sweep) == [(1, 4), (1, 8), (2, 4),
+                                                                     (2, 8)]
+    assert not any(r["default"] for r in sweep)  # warps None is the default; none swept
+    assert {r["what"] for r in payload["records"]} >= {*BS.STAGES, "forward", "forward+backward"}
+
+
 def test_breakdown_adds_up_and_the_table_marks_the_default():
     where = dict(shape="s", dims=[1], chunk_size=64)
     ms = dict(chunk_scan=0.5, state_passing=0.1, chunk_state=0.2, chunk_cumsum=0.05,
               forward=0.3, **{"forward+backward": 1.3})
     records = [dict(where, what=k, median_ms=v, head_splits=4 if k == "chunk_scan" else None)
                for k, v in ms.items()]
-    records += [dict(where, what="chunk_scan (sweep)", head_splits=s, block_q=64, default=s == 4,
-                     median_ms=0.6 / s) for s in (1, 4)]
+    records += [dict(where, what="chunk_scan (sweep)", head_splits=s, block_q=64,
+                     rows_block_q=None, warps=8, default=s == 4, median_ms=0.6 / s)
+                for s in (1, 4)]
     (row,) = BS.breakdown(records)
     assert row["stages"] == pytest.approx(0.85) and row["backward"] == pytest.approx(1.0)
     assert row["between stages"] == pytest.approx(0.15)
     text = BS.table(dict(records=records, settings=dict(reps=30)))
-    assert "     4   64*     0.150" in text and "     1   64      0.600" in text
+    assert "    4    64  None     8*     0.150" in text
+    assert "    1    64  None     8      0.600" in text
 
 
 @pytest.mark.parametrize("argv, match", [(["--shapes", "nope"], "--shapes: nope unknown"),
                                          (["--chunks", "48"], r"--chunks: \[48\]"),
                                          (["--head-splits", "0"], r"--head-splits: \[0\]"),
                                          (["--head-splits", "a"], "comma-separated integers"),
-                                         (["--block-q", "48"], r"--block-q: \[48\]")])
+                                         (["--block-q", "48"], r"--block-q: \[48\]"),
+                                         (["--rows-block-q", "4"], r"--rows-block-q: \[4\]"),
+                                         (["--warps", "6"], r"--warps: \[6\]")])
 def test_bad_arguments_are_refused_by_name(argv, match, capsys):
     with pytest.raises(SystemExit):
         BS.main(argv)

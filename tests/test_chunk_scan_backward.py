@@ -55,7 +55,8 @@ def test_bad_input_is_refused_by_name(change, match):
 
 
 @pytest.mark.parametrize("kwargs", [dict(block_q=48), dict(block_k=0), dict(block_n=3),
-                                    dict(occupancy=0)])
+                                    dict(occupancy=0), dict(warps=6), dict(rows_block_q=24),
+                                    dict(head_splits=0)])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         ScanBackwardConfig(**kwargs)

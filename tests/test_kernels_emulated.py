@@ -253,6 +253,16 @@ def test_chunk_scan_backward_head_splits(name, monkeypatch):
                   monkeypatch)
 
 
+@pytest.mark.parametrize("name", ["l-not-multiple", "full-chunks", "ngroups-2-seq-idx"])
+@pytest.mark.parametrize("rows", [8, 16])
+def test_chunk_scan_backward_rows_take_their_own_tiles(name, rows, monkeypatch):
+    """The rows kernel with tiles other than the columns kernel's (16 and 8 positions): it
+    completes ddA_cumsum's column part position by position, whatever tiling wrote it."""
+    columns = 16 if rows == 8 else 8
+    scan_backward(name, dataclasses.replace(SMALL_BACKWARD["scan"], block_q=columns,
+                                            rows_block_q=rows), monkeypatch)
+
+
 def test_head_splits_must_divide_the_heads_per_group(monkeypatch):
     with pytest.raises(ValueError, match="head_splits=3 must divide the heads per group"):
         scan_backward("full-chunks", dataclasses.replace(SMALL_BACKWARD["scan"], head_splits=3),

@@ -299,11 +299,11 @@ def entering_gradient(ib, ic, ih, jn, dy, C, dA_cumsum, seq_idx, seq_last, dprev
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernels(index_dtype=ct.int32, occupancy=None):
-    """The three kernels (columns, rows, states) for one index width and occupancy hint."""
+def build_kernels(index_dtype=ct.int32, occupancy=None, warps=None):
+    """The three kernels (columns, rows, states) for one index width and set of hints."""
     Array = array_type(index_dtype)
 
-    @ct.kernel(occupancy=occupancy)
+    @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_backward_columns_kernel(
         x: Array,           # (b, l, h, p)
         B: Array,           # (b, l, g, n), x's dtype
@@ -335,7 +335,7 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
                      dt_out, dA_cumsum, seq_idx, D, dx, dB, ddt_out, ddA_cumsum, dD_parts, seqlen,
                      heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, HAS_D)
 
-    @ct.kernel(occupancy=occupancy)
+    @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_backward_rows_kernel(
         x: Array,            # (b, l, h, p)
         B: Array,            # (b, l, g, n), x's dtype
@@ -366,7 +366,7 @@ def build_kernels(index_dtype=ct.int32, occupancy=None):
                   dt_out, dA_cumsum, prev_states, seq_idx, seq_last, dC, ddA_cumsum, y_ssm, seqlen,
                   heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, REBUILD_Y)
 
-    @ct.kernel(occupancy=occupancy)
+    @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_backward_states_kernel(
         dy: Array,            # (b, l, h, p) gradient of y's SSM part, any float dtype
         C: Array,             # (b, l, g, n), x's dtype (the MMA's)
@@ -451,7 +451,7 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     seq_idx = optional(seq_idx, 2, torch.int32, dev)
     seq_last = optional(seq_last, 2, torch.int32, dev)
     columns, rows, states = build_kernels(
-        index_dtype_for(x, dy, B, C, prev_states, *out.values()), config.occupancy)
+        index_dtype_for(x, dy, B, C, prev_states, *out.values()), config.occupancy, config.warps)
     sizes = dict(seqlen=l, nchunks=nchunks, heads_per_group=h // g, Q=q, P_PAD=next_pow2(p),
                  HAS_SEQ=has_seq)
     diagonal = dict(x=x, B=B, C=C, dy=dy, dt_out=dt_out, dA_cumsum=dA_cumsum, seq_idx=seq_idx,
@@ -460,10 +460,12 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     launch(columns, grid, dict(dx=out["dx"], dB=out["dB"], ddt_out=out["ddt_out"],
                                D=optional(D_hp, 2, f, dev), dD_parts=optional(dD_parts, 4, f, dev),
                                HAS_D=D is not None, **diagonal), device=dev)
-    # after columns, on the same stream: rows adds to the ddA_cumsum columns stored
-    launch(rows, grid, dict(prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
-                            y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, **diagonal),
-           device=dev)
+    # after columns, on the same stream: rows adds to the ddA_cumsum columns stored, position by
+    # position, so its tiles may differ from theirs
+    launch(rows, (grid[0], grid[1], q // config.rows_block_q), dict(
+        diagonal, prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
+        y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, BLOCK_Q=config.rows_block_q),
+        device=dev)
     launch(states, (b * nchunks, h, -(-n // config.block_n)), dict(
         dy=dy, C=C, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,
         dprev_states=out["dprev_states"], BLOCK_K=config.block_k, BLOCK_N=config.block_n,

@@ -8,10 +8,12 @@ kept (:func:`stage_calls`), then times each stage's backward alone on exactly th
 ``chunk_scan`` (its three kernels and the gate and skip around them), ``state_passing``,
 ``chunk_state``, ``chunk_cumsum``. Beside them: the forward, and the forward + backward, so that
 "between stages" (the backward's sums and casts outside the stages) is what is left. With
-``--head-splits`` and/or ``--block-q`` it also times ``chunk_scan``'s backward at each of those
-splits of a group's heads (``ScanBackwardConfig.head_splits``: blocks for a buffer) and row and
-column tiles (``block_q``: at 64 its columns kernel spills on sm_90, at 32 its rows kernel does),
-the defaults' point marked.
+``--head-splits``, ``--block-q``, ``--rows-block-q`` or ``--warps`` it also times
+``chunk_scan``'s backward at every combination of those values of ``ScanBackwardConfig``'s
+fields (the others at their defaults; head splits that do not divide a shape's heads per group
+are skipped), the defaults' point marked: the knobs that trade blocks for a buffer
+(``head_splits``) and registers for spills (tiles and warps; ``ScanBackwardConfig``'s docstring
+says which spill).
 
 Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
 removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
@@ -94,11 +96,16 @@ def timed(fn, reps) -> dict:
                     graph_error=f"{type(exc).__name__}: {exc}"[:300])
 
 
-def run(shapes, chunks=(64, 256), splits=(), reps=30, block_qs=()) -> dict:
+#: The fields of ScanBackwardConfig the sweep varies, in the order the table prints them.
+SWEPT = ("head_splits", "block_q", "rows_block_q", "warps")
+
+
+def run(shapes, chunks=(64, 256), sweep=None, reps=30) -> dict:
     """Time every stage's backward, the forward and the forward + backward of each shape at each
-    chunk size (and chunk_scan's at each of ``splits`` x ``block_qs``, either alone with the
-    other's default); return the payload (records, settings)."""
+    chunk size, and chunk_scan's at every combination of ``sweep`` ({field of :data:`SWEPT`:
+    values}); return the payload (records, settings)."""
     import dataclasses
+    import itertools
 
     import torch
 
@@ -107,27 +114,24 @@ def run(shapes, chunks=(64, 256), splits=(), reps=30, block_qs=()) -> dict:
     from .backward_bench import LEAVES, inference, leaves_of, training_step, upstream
     from .bench import make_inputs
 
-    records = []
+    records, sweep = [], sweep or {}
     for shape in shapes:
         for q in chunks:
             where = dict(shape=shape.name, dims=list(shape.dims), chunk_size=q)
             calls = stage_calls(shape, q)
-            default, tried = head_split_choices(shape, q, splits)
+            default, tried = head_split_choices(shape, q, sweep.get("head_splits", ()))
             for stage, (fn, args, kwargs) in calls.items():
                 records.append(dict(where, what=stage, **timed(lambda: fn(*args, **kwargs), reps),
                                     head_splits=default if stage == "chunk_scan" else None))
             fn, args, kwargs = calls["chunk_scan"]
-            base = ScanBackwardConfig()
-            points = []
-            if tried or block_qs:
-                points = [(bq, s) for bq in (block_qs or (base.block_q,))
-                          for s in (tried or (default,))]
-            for bq, s in points:
-                config = dataclasses.replace(base, head_splits=s, block_q=bq)
+            base = dataclasses.replace(ScanBackwardConfig(), head_splits=default)
+            values = [tried or (default,)] + [sweep.get(k) or (getattr(base, k),)
+                                              for k in SWEPT[1:]]
+            for point in itertools.product(*values) if any(sweep.values()) else ():
+                config = dataclasses.replace(base, **dict(zip(SWEPT, point)))
                 stats = timed(lambda: fn(*args, **dict(kwargs, config=config)), reps)
-                records.append(dict(where, what="chunk_scan (sweep)", head_splits=s,
-                                    block_q=min(bq, q), default=s == default and bq == base.block_q,
-                                    **stats))
+                records.append(dict(where, what="chunk_scan (sweep)", **dict(zip(SWEPT, point)),
+                                    default=config == base, **stats))
             leaves = leaves_of(make_inputs(shape))
             x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
 
@@ -143,7 +147,7 @@ def run(shapes, chunks=(64, 256), splits=(), reps=30, block_qs=()) -> dict:
     settings = dict(reps=reps, warmup=5, mode="graph (eager where a record says so)",
                     l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events",
                     statistic="median", dtype="bfloat16", chunks=list(chunks),
-                    head_splits=list(splits), block_q=list(block_qs))
+                    sweep={k: list(v) for k, v in (sweep or {}).items()})
     return dict(records=records, settings=settings)
 
 
@@ -179,11 +183,12 @@ def table(payload) -> str:
                      + " ".join(f"{row[c]:13.3f}" for c in cols))
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
     if sweep:
-        lines.append("chunk_scan's backward by head_splits and block_q (* the defaults)")
+        lines.append("chunk_scan's backward by " + ", ".join(SWEPT) + " (None: the compiler's "
+                     "or block_q's; * the defaults)")
         for r in sweep:
-            lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {r['head_splits']:6d} "
-                         f"{r['block_q']:4d}{'*' if r['default'] else ' '} "
-                         f"{r['median_ms']:9.3f}")
+            point = " ".join(f"{str(r[k]):>5s}" for k in SWEPT)
+            lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {point}"
+                         f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
     return "\n".join(lines)
 
 
@@ -201,8 +206,10 @@ def main(argv=None) -> int:
                         help="chunk_scan's backward also at these head splits, e.g. 1,2,4,8 "
                              "(those that divide a shape's heads per group)")
     parser.add_argument("--block-q", default="",
-                        help="chunk_scan's backward also at these row and column tiles, e.g. "
-                             "32,64 (powers of two)")
+                        help="chunk_scan's backward also at these tiles, e.g. 32,64")
+    parser.add_argument("--rows-block-q", default="",
+                        help="and these tiles of its rows kernel alone, e.g. 32,64")
+    parser.add_argument("--warps", default="", help="and these warp counts (4, 8)")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="output JSON (default results/<gpu>/backward_stages.json)")
     args = parser.parse_args(argv)
@@ -211,19 +218,23 @@ def main(argv=None) -> int:
         parser.error(f"--shapes: {', '.join(unknown)} unknown (known: {', '.join(names)})")
     try:
         chunks = tuple(int(v) for v in args.chunks.split(","))
-        splits = tuple(int(v) for v in args.head_splits.split(",") if v)
-        block_qs = tuple(int(v) for v in args.block_q.split(",") if v)
+        sweep = {k: tuple(int(v) for v in getattr(args, k).split(",") if v) for k in SWEPT}
     except ValueError as exc:
-        parser.error(f"--chunks/--head-splits/--block-q: comma-separated integers ({exc})")
+        parser.error(f"--chunks, --head-splits, --block-q, --rows-block-q, --warps: "
+                     f"comma-separated integers ({exc})")
     if bad := [q for q in chunks if q not in (16, 32, 64, 128, 256)]:
         parser.error(f"--chunks: {bad} not in 16, 32, 64, 128, 256")
-    if bad := [s for s in splits if s < 1]:
+    if bad := [s for s in sweep["head_splits"] if s < 1]:
         parser.error(f"--head-splits: {bad} not positive")
-    if bad := [v for v in block_qs if v < 8 or v & (v - 1)]:
-        parser.error(f"--block-q: {bad} not powers of two of at least 8")
+    for name in ("block_q", "rows_block_q"):
+        if bad := [v for v in sweep[name] if v < 8 or v & (v - 1)]:
+            parser.error(f"--{name.replace('_', '-')}: {bad} not powers of two of at least 8")
+    if bad := [v for v in sweep["warps"] if v not in (4, 8)]:
+        parser.error(f"--warps: {bad} not 4 or 8")
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
-    payload = dict(run(shapes, chunks, splits, args.reps, block_qs), environment=env)
+    payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps),
+                   environment=env)
     out = args.out or RESULTS / gpu_slug(env["gpu"]) / "backward_stages.json"
     write_json(out, payload)
     print(table(payload))
