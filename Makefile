@@ -181,7 +181,8 @@ gpu-tilegym-backward:
 
 # make gpu-backward-stages: each stage of our backward timed alone at chunk 64 and 256, and
 # chunk_scan's backward at several head splits and tiles (ssd.tools.backward_stages): where
-# the backward's time goes, to tune it. Not part of make gpu (no chapter reads it yet).
+# the backward's time goes, to tune it (_build/backward_stages/). Not part of make gpu: no
+# chapter reads it.
 gpu-backward-stages:
 	$(GPU_PYTHON) -m ssd.tools.backward_stages --head-splits 1,2,4,8 --block-q 32,64 --warps 4,8 \
 	  --reps 30

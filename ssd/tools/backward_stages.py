@@ -18,7 +18,8 @@ says which spill).
 Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
 removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
 says so (``mode``). The payload (records, settings, environment) goes to
-``results/<gpu>/backward_stages.json`` or ``--out``; a table is printed last.
+``_build/backward_stages/<gpu>.json`` (a tuning aid: no chapter reads it, so it stays out of
+``results/``) or ``--out``; a table is printed last.
 """
 from __future__ import annotations
 
@@ -194,7 +195,7 @@ def table(payload) -> str:
 
 def main(argv=None) -> int:
     from .bench import SUITES
-    from .env import RESULTS, environment, gpu_slug, write_json
+    from .env import ROOT, environment, gpu_slug, write_json
 
     parser = argparse.ArgumentParser(prog="python -m ssd.tools.backward_stages",
                                      description=__doc__.splitlines()[0])
@@ -211,7 +212,7 @@ def main(argv=None) -> int:
                         help="and these tiles of its rows kernel alone, e.g. 32,64")
     parser.add_argument("--warps", default="", help="and these warp counts (4, 8)")
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--out", help="output JSON (default results/<gpu>/backward_stages.json)")
+    parser.add_argument("--out", help="output JSON (default _build/backward_stages/<gpu>.json)")
     args = parser.parse_args(argv)
     wanted = args.shapes.split(",")
     if unknown := [s for s in wanted if s not in names]:
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
     shapes = [s for s in SUITES["models"] if s.name in wanted]
     payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps),
                    environment=env)
-    out = args.out or RESULTS / gpu_slug(env["gpu"]) / "backward_stages.json"
+    out = args.out or ROOT / "_build" / "backward_stages" / f"{gpu_slug(env['gpu'])}.json"
     write_json(out, payload)
     print(table(payload))
     print(f"[backward_stages] wrote {out}")
