@@ -333,15 +333,16 @@ def _skip(D, f):
     return None if D is None else (D.to(f)[:, None] if D.dim() == 1 else D.to(f))
 
 
-def _through_gate(dy, z):
-    """dy silu(z): the gradient of y = y_pre silu(z) that reaches y_pre, in dy's dtype."""
-    return dy * F.silu(z.to(dy.dtype))
+def _gate(z, f):
+    """(z, sigmoid(z)) in dtype ``f``: what both gradients of y = y_pre silu(z) read."""
+    zf = z.to(f)
+    return zf, torch.sigmoid(zf)
 
 
-def _gate_grad(dy, y_pre, z):
-    """dz of y = y_pre silu(z), in dy's dtype: dy y_pre silu'(z), silu' = sig (1 + z (1 - sig))."""
-    zf = z.to(dy.dtype)
-    sig = torch.sigmoid(zf)
+def _gate_grad(dy, y_pre, gate):
+    """dz of y = y_pre silu(z) from ``gate`` = :func:`_gate`: dy y_pre silu'(z),
+    silu' = sig (1 + z (1 - sig))."""
+    zf, sig = gate
     return dy * y_pre * sig * (1.0 + zf * (1.0 - sig))
 
 
@@ -360,7 +361,8 @@ def _skip_and_gate_backward(dy, y_ssm, x, D, z):
     dz = None
     if z is not None:
         y_pre = y_ssm() if Dhp is None else y_ssm() + Dhp * x  # the output before the gate
-        dy, dz = _through_gate(dy, z), _gate_grad(dy, y_pre, z)
+        zf, sig = gate = _gate(z, dy.dtype)
+        dy, dz = dy * zf * sig, _gate_grad(dy, y_pre, gate)  # dy silu(z) reaches y_pre
     if Dhp is None:
         return dy, None, None, dz
     dD = torch.einsum("blhp,blhp->hp", dy, x)  # (h, p)
@@ -536,13 +538,14 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
         return chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
                                    seq_last, config or ScanBackwardConfig(), D=D)
     dy = dy.to(f)
-    out = chunk_scan_backward(_through_gate(dy, z), B, C, x, dt_out, dA_cumsum, prev_states,
-                              seq_idx, seq_last, config or ScanBackwardConfig(), rebuild_y=True,
-                              D=D)
+    zf, sig = _gate(z, f)
+    out = chunk_scan_backward(dy * zf * sig, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
+                              seq_last, config or ScanBackwardConfig(), rebuild_y=True, D=D)
+    del zf, sig  # formed again after the kernels: two fp32 (b, l, h, p) tensors not held across
     y_pre = out.pop("y_ssm")
     if D is not None:
         y_pre += _skip(D, f) * x
-    out["dz"] = _gate_grad(dy, y_pre, z)
+    out["dz"] = _gate_grad(dy, y_pre, _gate(z, f))
     return out
 
 

@@ -172,13 +172,19 @@ def _check_splits(config):
 BACKWARD_BLOCKS_PER_SM = 4
 
 
-def head_splits(blocks: int, heads_per_group: int, sms: int) -> int:
-    """The default ``head_splits`` of ScanBackwardConfig and StateBackwardConfig: the fewest
-    splits of a group's heads (a divisor of ``heads_per_group``) that give a grid of ``blocks``
-    blocks a split at least BACKWARD_BLOCKS_PER_SM blocks a SM on ``sms`` SMs, or one head a
-    block. With one group and
+def head_splits(blocks: int, heads_per_group: int, sms: int, requested: int | None = None) -> int:
+    """The ``head_splits`` of ScanBackwardConfig and StateBackwardConfig a launch takes:
+    ``requested`` (the config's) where given, else the fewest splits of a group's heads (a
+    divisor of ``heads_per_group``) that give a grid of ``blocks`` blocks a split at least
+    BACKWARD_BLOCKS_PER_SM blocks a SM on ``sms`` SMs, or one head a block. With one group and
     few chunks (2.7b: 256 blocks for 80 heads) one split would leave 132 SMs two blocks each,
-    each walking 80 heads."""
+    each walking 80 heads. Raises ValueError where ``requested`` does not divide
+    ``heads_per_group``."""
+    if requested is not None:
+        if heads_per_group % requested:
+            raise ValueError(f"head_splits={requested} must divide the heads per group "
+                             f"({heads_per_group})")
+        return requested
     for splits in range(1, heads_per_group + 1):
         if heads_per_group % splits == 0 and blocks * splits >= BACKWARD_BLOCKS_PER_SM * sms:
             return splits

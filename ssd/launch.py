@@ -357,6 +357,16 @@ def check_array(name: str, tensor, shape: tuple, dtypes: tuple) -> tuple:
     return tuple(tensor.shape)
 
 
+def flattens(tensor, rows: int, width: int) -> bool:
+    """Whether ``tensor`` (..., width) views as (rows, width) without a copy, as a kernel that
+    walks rows of a flat array reads it."""
+    try:
+        tensor.view(rows, width)
+    except RuntimeError:
+        return False
+    return True
+
+
 def optional(tensor, ndim: int, dtype, device):
     """``tensor``, or a one-element stand-in when it is None (the kernel's flag for it is off).
 

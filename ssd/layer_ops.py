@@ -38,6 +38,7 @@ from .config import Conv1dConfig, ConvStepConfig, GatedNormConfig
 from .kernels import causal_conv1d as _conv
 from .kernels import conv_step as _step
 from .kernels import gated_rmsnorm as _norm
+from .launch import flattens
 from .layer_reference import conv1d_dims, conv_step_dims, norm_dims
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -236,11 +237,9 @@ def gated_rmsnorm(y, z, weight, group_size=None, eps=1e-5, *,
         if d > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name}: expected a unit stride along the channels, got strides "
                              f"{t.stride()}")
-        try:
-            t.view(m, d)
-        except RuntimeError as exc:
+        if not flattens(t, m, d):
             raise ValueError(f"{name}: its leading axes do not flatten without a copy (strides "
-                             f"{t.stride()}); pass .contiguous()") from exc
+                             f"{t.stride()}); pass .contiguous()")
     if out is not None and (out.shape != y.shape or not out.is_contiguous()):
         raise ValueError(f"out: expected a contiguous tensor of shape {tuple(y.shape)}, got "
                          f"shape {tuple(out.shape)}, strides {out.stride()}")

@@ -51,7 +51,6 @@ order). The gate (z) stays in PyTorch around the kernels
 ``chunk_scan_backward_torch``): dy silu(z) before them, dz after.
 """
 import functools
-import math
 
 import cuda.tile as ct
 
@@ -397,6 +396,15 @@ def build_kernels(index_dtype=ct.int32, occupancy=None, warps=None):
 # --------------------------------------------------------------------------------------------
 
 
+def launch_splits(config: ScanBackwardConfig, b, nchunks, h, g, q, device) -> int:
+    """The head splits a launch of ``config`` (fitted to the problem) takes:
+    :func:`ssd.config.head_splits` for the columns kernel's grid before splitting, on
+    ``device``'s GPU (ValueError where config.head_splits does not divide the heads per
+    group)."""
+    return head_splits(b * nchunks * g * (q // config.block_q), h // g, gpu_facts(device)[1],
+                       config.head_splits)
+
+
 def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=None, seq_last=None,
                         config: ScanBackwardConfig = ScanBackwardConfig(), rebuild_y=False,
                         D=None):
@@ -429,11 +437,8 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     _, _, nchunks, q = dt_out.shape
     dev, f = x.device, torch.float32
     config = config.for_problem(q, n, x.dtype)
-    grid = (b * nchunks, g, q // config.block_q)
-    splits = config.head_splits or head_splits(math.prod(grid), h // g, gpu_facts(dev)[1])
-    if (h // g) % splits:
-        raise ValueError(f"head_splits={splits} must divide the heads per group ({h // g})")
-    grid = (grid[0], g * splits, grid[2])
+    splits = launch_splits(config, b, nchunks, h, g, q, dev)
+    grid = (b * nchunks, g * splits, q // config.block_q)
     out = dict(dB=torch.empty((b, l, g * splits, n), dtype=f, device=dev),
                dC=torch.empty((b, l, g * splits, n), dtype=f, device=dev),
                dx=torch.empty((b, l, h, p), dtype=f, device=dev),

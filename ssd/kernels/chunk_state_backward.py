@@ -273,9 +273,7 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
     launch(build_dx_kernel(index), (b * c, h), dict(
         shared, B=B, dx_prior=optional(dx_prior, 4, f, dev), dx=dx, ddt_out=ddt_out,
         ddA_cumsum=ddA, n_tiles=n_tiles, ACCUMULATE=dx_prior is not None), device=dev)
-    splits = config.head_splits or head_splits(b * c * g * n_tiles, h // g, gpu_facts(dev)[1])
-    if (h // g) % splits:
-        raise ValueError(f"head_splits={splits} must divide the heads per group ({h // g})")
+    splits = head_splits(b * c * g * n_tiles, h // g, gpu_facts(dev)[1], config.head_splits)
     dB_runs = dB if splits == 1 else torch.empty((b, l, g * splits, n), device=dev, dtype=f)
     launch(build_db_kernel(index), (b * c, g * splits, n_tiles),
            dict(shared, dB=dB_runs, head_splits=splits), device=dev)

@@ -25,7 +25,7 @@ import functools
 import cuda.tile as ct
 
 from ..config import GatedNormConfig, next_pow2
-from ..launch import array_type, index_dtype_for, launch
+from ..launch import array_type, flattens, index_dtype_for, launch
 from .tiles import ConstInt, ZERO
 
 #: The widest group the kernel keeps on chip (a block's fp32 row of the padded group): the
@@ -187,7 +187,7 @@ def gated_rmsnorm_backward(dout, y, z, weight, group_size: int, eps: float) -> d
     d = y.shape[-1]
     groups = d // group_size
     rows = y.numel() // d
-    if dout.stride(-1) != 1 or not _flattens(dout, rows, d):
+    if dout.stride(-1) != 1 or not flattens(dout, rows, d):
         dout = dout.contiguous()
     dy = torch.empty(y.shape, device=y.device, dtype=y.dtype)
     dz = torch.empty(y.shape, device=y.device, dtype=z.dtype)
@@ -202,11 +202,3 @@ def gated_rmsnorm_backward(dout, y, z, weight, group_size: int, eps: float) -> d
         dweight_parts=parts, group_size=group_size, tiles=-(-group_size // block_c),
         eps=float(eps), BLOCK_M=block_m, BLOCK_C=block_c), device=y.device)
     return dict(dy=dy, dz=dz, dweight=parts.sum(0).reshape(d))
-
-
-def _flattens(t, rows: int, d: int) -> bool:
-    try:
-        t.view(rows, d)
-    except RuntimeError:
-        return False
-    return True

@@ -73,15 +73,13 @@ def head_split_choices(shape, chunk_size: int, wanted=()) -> tuple[int, list[int
     ``wanted`` that divide the heads per group, in order)."""
     import torch
 
-    from ..config import ScanBackwardConfig, head_splits
-    from ..launch import gpu_facts
+    from ..config import ScanBackwardConfig
+    from ..kernels.chunk_scan_backward import launch_splits
 
     b, l, h, p, n, g = shape.dims
-    c = -(-l // chunk_size)
     config = ScanBackwardConfig().for_problem(chunk_size, n, "bfloat16")
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    blocks = b * c * g * (chunk_size // config.block_q)
-    default = head_splits(blocks, h // g, gpu_facts(device)[1])
+    default = launch_splits(config, b, -(-l // chunk_size), h, g, chunk_size, device)
     return default, [s for s in wanted if (h // g) % s == 0]
 
 
