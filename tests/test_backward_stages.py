@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd import autograd  # noqa: E402
+from ssd import api, autograd  # noqa: E402
 from ssd.backward import TORCH_BACKWARDS  # noqa: E402
 from ssd.tools import backward_stages as BS  # noqa: E402
 from ssd.tools.bench import Shape  # noqa: E402
@@ -56,13 +56,23 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     import ssd.tools.bench as bench
 
     forward = functools.partial(autograd.chunk_scan_combined, stages=autograd.torch_stages)
-    monkeypatch.setattr(BS, "stage_calls", lambda shape, q, backwards: STAGE_CALLS(
-        shape, q, "float32", "cpu", forward, TORCH_BACKWARDS))
+    def without_grad(fn):  # as autograd runs a backward: a launch with grad mode on refuses the
+        def call(*args, **kwargs):  # kept leaves that require grad
+            assert not torch.is_grad_enabled(), "a stage's backward timed in grad mode"
+            kwargs.pop("config", None)  # the sweep's tiles: the torch functions take none
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(BS, "stage_calls", lambda shape, q, backwards: {
+        k: (without_grad(fn), a, kw) for k, (fn, a, kw) in STAGE_CALLS(
+            shape, q, "float32", "cpu", forward, TORCH_BACKWARDS).items()})
     chosen = []
     monkeypatch.setattr(BS, "where_dprev_forms", lambda in_walk: chosen.append(in_walk) or
                         TORCH_BACKWARDS)
-    monkeypatch.setattr(BS, "timed", lambda fn, reps: dict(median_ms=1.0, mode="graph"))
+    monkeypatch.setattr(BS, "timed", lambda fn, reps: fn() is None or dict(median_ms=1.0,
+                                                                          mode="graph"))
     monkeypatch.setattr(bench, "make_inputs", functools.partial(MAKE_INPUTS, device="cpu"))
+    monkeypatch.setattr(api, "mamba_chunk_scan_combined", forward)
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
                      reps=3)

@@ -83,6 +83,18 @@ def head_split_choices(shape, chunk_size: int, wanted=()) -> tuple[int, list[int
     return default, [s for s in wanted if (h // g) % s == 0]
 
 
+def backward_call(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` as autograd runs a backward: without grad mode (the kept
+    arguments include the forward's inputs, leaves that require grad, which a launch outside a
+    backward refuses)."""
+    import torch
+
+    def call():
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return call
+
+
 def timed(fn, reps) -> dict:
     """``bench.time_fn`` of ``fn`` as a CUDA-graph replay, L2 flushed; eager where the capture
     fails (``mode`` and ``graph_error`` say so)."""
@@ -134,7 +146,7 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"))
         calls = stage_calls(shape, q, backwards=backwards)
         default, tried = head_split_choices(shape, q, sweep.get("head_splits", ()))
         for stage, (fn, args, kwargs) in calls.items():
-            records.append(dict(where, what=stage, **timed(lambda: fn(*args, **kwargs), reps),
+            records.append(dict(where, what=stage, **timed(backward_call(fn, args, kwargs), reps),
                                 head_splits=default if stage == "chunk_scan" else None))
         fn, args, kwargs = calls["chunk_scan"]
         base = ScanBackwardConfig(head_splits=default, dprev_in_walk=where_dprev == "walk")
@@ -143,7 +155,7 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"))
         swept = any(sweep.values()) and where_dprev == dprev[0]
         for point in itertools.product(*values) if swept else ():
             config = dataclasses.replace(base, **dict(zip(SWEPT, point)))
-            stats = timed(lambda: fn(*args, **dict(kwargs, config=config)), reps)
+            stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
             records.append(dict(where, what="chunk_scan (sweep)", **dict(zip(SWEPT, point)),
                                 default=config == base, **stats))
         leaves = leaves_of(make_inputs(shape))
