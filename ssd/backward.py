@@ -488,6 +488,18 @@ def chunk_scan_backward_torch(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=Non
     return out
 
 
+class EnteringGradient(NamedTuple):
+    """dprev_states (b, c, h, p, n), not formed: for chunk c, sum_t e^{a_t} dy_tᵀ C_t over its
+    rows t that continue the sequence entering it (``chunk_scan_backward_torch``'s step 4).
+    chunk_scan's cuTile backward returns it in place of the tensor where
+    ``ScanBackwardConfig.dprev_in_walk``; state_passing's cuTile backward then forms each
+    chunk's where its walk adds it to the carried gradient."""
+
+    dy: torch.Tensor  # (b, l, h, p) gradient of y's SSM part
+    C: torch.Tensor  # (b, l, g, n), the MMA's dtype (x's)
+    seq_last: torch.Tensor | None  # (b, c) int32 seq_idx at each chunk's last valid position
+
+
 def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None,
                                seq_idx=None, *, config=None):
     """The backward of stage 4 with the cuTile kernels: ``chunk_scan_backward_torch``'s
@@ -507,13 +519,13 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
         config: the kernels' tiles (None: :class:`ssd.config.ScanBackwardConfig`'s defaults).
     Returns:
         dict with dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
-        (b, h, c, q), dprev_states (b, c, h, p, n) and, where given, dD ((h,) or (h, p)) and
-        dz (b, l, h, p), all fp32 (the compute dtype); dB, dx, ddt_out and ddA_cumsum are this
+        (b, h, c, q), dprev_states (b, c, h, p, n; an :class:`EnteringGradient` where
+        config.dprev_in_walk, the default) and, where given, dD ((h,) or (h, p)) and dz
+        (b, l, h, p), all fp32 (the compute dtype); dB, dx, ddt_out and ddA_cumsum are this
         stage's contributions.
     Raises:
         ValueError naming the argument, for a shape, dtype or device the kernels do not take.
     """
-    import torch
 
     from .config import ScanBackwardConfig
     from .kernels.chunk_scan_backward import check_inputs, chunk_scan_backward
@@ -534,14 +546,25 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
         seq_idx = seq_idx.to(torch.int32).contiguous()
     # dy through the gate: dy silu(z) before the kernels, dz from the output before the gate
     # (the SSM part the rows kernel rebuilds, plus D x) after them
+    config = config or ScanBackwardConfig()
+
+    def entering(out, dy_ssm):  # dprev_states unformed (None) where state_passing's walk forms it
+        if out["dprev_states"] is None:
+            out["dprev_states"] = EnteringGradient(dy_ssm, C, seq_last)
+        return out
+
     if z is None:
-        return chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
-                                   seq_last, config or ScanBackwardConfig(), D=D)
+        return entering(chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
+                                            seq_last, config, D=D), dy)
     dy = dy.to(f)
     zf, sig = _gate(z, f)
-    out = chunk_scan_backward(dy * zf * sig, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
-                              seq_last, config or ScanBackwardConfig(), rebuild_y=True, D=D)
+    dy_ssm = dy * zf * sig
     del zf, sig  # formed again after the kernels: two fp32 (b, l, h, p) tensors not held across
+    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
+                              seq_last, config, rebuild_y=True, D=D)
+    # the walk reads dy_ssm in the MMA's dtype, as the states kernel does: kept at that width
+    out = entering(out, dy_ssm.to(C.dtype) if config.dprev_in_walk else None)
+    del dy_ssm
     y_pre = out.pop("y_ssm")
     if D is not None:
         y_pre += _skip(D, f) * x

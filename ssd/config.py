@@ -206,7 +206,10 @@ class ScanBackwardConfig:
     need not match. On sm_90 (bf16, q 256, p 64, n 128) the columns kernel is spill-free at
     64 with 8 warps and the rows kernel at 32 with 8 warps, and each spills otherwise
     (``ssd.tools.aot.resource_usage``). Untimed defaults; fp32 inputs take smaller tiles
-    (:meth:`for_problem`)."""
+    (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
+    but where state_passing's backward walk consumes it (``ssd.backward.EnteringGradient``), so
+    that its (b, c, h, p, n) fp32 tensor never reaches memory, as the forward's fused stage 2
+    keeps the per-chunk states out of memory; ``block_k`` and ``block_n`` then go unused."""
 
     block_q: int = 64
     block_k: int = 64
@@ -215,6 +218,7 @@ class ScanBackwardConfig:
     head_splits: int | None = None
     warps: int | None = None
     rows_block_q: int | None = None
+    dprev_in_walk: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_k", "block_n"):

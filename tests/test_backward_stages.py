@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from ssd import autograd  # noqa: E402
+from ssd import api, autograd  # noqa: E402
 from ssd.backward import TORCH_BACKWARDS  # noqa: E402
 from ssd.tools import backward_stages as BS  # noqa: E402
 from ssd.tools.bench import Shape  # noqa: E402
@@ -56,22 +56,39 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     import ssd.tools.bench as bench
 
     forward = functools.partial(autograd.chunk_scan_combined, stages=autograd.torch_stages)
-    monkeypatch.setattr(BS, "stage_calls", lambda shape, q: STAGE_CALLS(
-        shape, q, "float32", "cpu", forward, TORCH_BACKWARDS))
-    monkeypatch.setattr(BS, "timed", lambda fn, reps: dict(median_ms=1.0, mode="graph"))
+    def without_grad(fn):  # as autograd runs a backward: a launch with grad mode on refuses the
+        def call(*args, **kwargs):  # kept leaves that require grad
+            assert not torch.is_grad_enabled(), "a stage's backward timed in grad mode"
+            kwargs.pop("config", None)  # the sweep's tiles: the torch functions take none
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(BS, "stage_calls", lambda shape, q, backwards: {
+        k: (without_grad(fn), a, kw) for k, (fn, a, kw) in STAGE_CALLS(
+            shape, q, "float32", "cpu", forward, TORCH_BACKWARDS).items()})
+    chosen = []
+    monkeypatch.setattr(BS, "where_dprev_forms", lambda in_walk: chosen.append(in_walk) or
+                        TORCH_BACKWARDS)
+    monkeypatch.setattr(BS, "timed", lambda fn, reps: fn() is None or dict(median_ms=1.0,
+                                                                          mode="graph"))
     monkeypatch.setattr(bench, "make_inputs", functools.partial(MAKE_INPUTS, device="cpu"))
+    monkeypatch.setattr(api, "mamba_chunk_scan_combined", forward)
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
                      reps=3)
+    assert chosen == [True, False]  # dprev_states formed in the walk, then by the states kernel
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
+    assert {r["dprev"] for r in sweep} == {"walk"}  # the sweep takes the first placement
     assert sorted((r["head_splits"], r["warps"]) for r in sweep) == [(1, 4), (1, 8), (2, 4),
                                                                      (2, 8)]
     assert not any(r["default"] for r in sweep)  # warps None is the default; none swept
-    assert {r["what"] for r in payload["records"]} >= {*BS.STAGES, "forward", "forward+backward"}
+    for dprev in ("walk", "kernel"):
+        assert {r["what"] for r in payload["records"] if r["dprev"] == dprev} >= {
+            *BS.STAGES, "forward", "forward+backward"}
 
 
 def test_breakdown_adds_up_and_the_table_marks_the_default():
-    where = dict(shape="s", dims=[1], chunk_size=64)
+    where = dict(shape="s", dims=[1], chunk_size=64, dprev="walk")
     ms = dict(chunk_scan=0.5, state_passing=0.1, chunk_state=0.2, chunk_cumsum=0.05,
               forward=0.3, **{"forward+backward": 1.3})
     records = [dict(where, what=k, median_ms=v, head_splits=4 if k == "chunk_scan" else None)
@@ -93,7 +110,8 @@ def test_breakdown_adds_up_and_the_table_marks_the_default():
                                          (["--head-splits", "a"], "comma-separated integers"),
                                          (["--block-q", "48"], r"--block-q: \[48\]"),
                                          (["--rows-block-q", "4"], r"--rows-block-q: \[4\]"),
-                                         (["--warps", "6"], r"--warps: \[6\]")])
+                                         (["--warps", "6"], r"--warps: \[6\]"),
+                                         (["--dprev", "both"], r"--dprev: \['both'\]")])
 def test_bad_arguments_are_refused_by_name(argv, match, capsys):
     with pytest.raises(SystemExit):
         BS.main(argv)

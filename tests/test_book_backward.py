@@ -140,7 +140,9 @@ def test_kernel_table_reads_the_kernels_and_their_launches():
     by = {r["kernel"].strip("`"): r for r in table}
     assert list(by)[:3] == ["chunk_scan_backward_columns_kernel",
                             "chunk_scan_backward_rows_kernel",
-                            "chunk_scan_backward_states_kernel"]        # the order of the stages
+                            "state_passing_backward_kernel"]            # the order of the stages
+    walk = by["state_passing_backward_kernel"]  # it forms dprev_states from chunk_scan's dy, C
+    assert "`dy`, `C`" in walk["reads"] and "dprev_states" not in walk["reads"]
     assert table.column("stage")[-1] == "`chunk_cumsum`"
     columns, rows = by["chunk_scan_backward_columns_kernel"], by["chunk_scan_backward_rows_kernel"]
     assert columns["writes"] == "`dx`, `dB`, `ddt_out`, `ddA_cumsum`, `dD_parts`"

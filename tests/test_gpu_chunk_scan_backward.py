@@ -26,6 +26,7 @@ The kernels write every output element from one block, in a fixed order (no atom
 give the same bits. Rows go to ``results/<gpu>/gpu_backward_tests.json`` (``record="backward"``,
 ``kind="stage/chunk_scan"``).
 """
+import dataclasses
 import os
 import zlib
 
@@ -88,8 +89,11 @@ def torch_reference(args: dict) -> dict:
 
 
 def run(args: dict, config=None) -> dict:
+    """The kernels, dprev_states written by the states kernel (by default it is left for
+    state_passing's walk to form: tests/test_gpu_stage_backward.py checks that walk)."""
     from ssd.backward import chunk_scan_backward_cutile
 
+    config = dataclasses.replace(config or ScanBackwardConfig(), dprev_in_walk=False)
     with poisoned_memory():
         got = chunk_scan_backward_cutile(**args, config=config)
     torch.cuda.synchronize()

@@ -184,6 +184,49 @@ def test_random_shapes(index):
     check_stages(spec, DTYPE_NAMES[index % 3], seed_for(f"stage-r{index}"))
 
 
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", ["all-features", "seq-idx-mid-chunk", "l-not-multiple",
+                                  "ngroups-8", "model-like"])
+def test_state_passing_forms_dprev_states_in_its_walk(name, dtype):
+    """Given chunk_scan's dy and C (``ssd.backward.EnteringGradient``, as the default backward
+    passes them) in place of dprev_states, the walk forms each chunk's, on the default tiles and
+    on state slices smaller than the state. Against the torch function given the float64
+    dprev_states of chunk_scan_backward_torch on the same values. The walk rounds e^{a} C to the
+    dtype's MMA operand as chunk_scan's states kernel does, so the bound is the gradients'
+    (``ssd.validate.GRAD_TOL``), not STAGE_TOL's fp32 one."""
+    from ssd.launch import chunk_seq_last
+    from ssd.validate import check_gradient
+
+    spec = SHAPES[name]
+    seed = seed_for("walk" + name + dtype)
+    inputs, forward, upstream = stage_problem(spec, seed, dtype)
+    dy = torch.from_numpy(np.random.default_rng([seed, 2]).standard_normal(
+        inputs["x"].shape)).to("cuda", inputs["x"].dtype)
+    seq = inputs.get("seq_idx")
+    f64 = lambda t: None if t is None else t.cpu().double() if t.is_floating_point() \
+        else t.cpu()  # noqa: E731
+    dprev = TB.chunk_scan_backward_torch(
+        f64(dy), f64(inputs["B"]), f64(inputs["C"]), f64(inputs["x"]), f64(forward["dt_out"]),
+        f64(forward["dA_cumsum"]), f64(forward["prev_states"]), seq_idx=f64(seq))["dprev_states"]
+    args = (forward["prev_states"], forward["dA_cumsum"], inputs.get("initial_states"), seq)
+    want = TB.state_passing_backward_torch(dprev, *map(f64, args),
+                                           dfinal_states=f64(upstream["dfinal_states"]))
+    unformed = TB.EnteringGradient(dy, inputs["C"].to(dy.dtype),
+                                   None if seq is None else chunk_seq_last(seq, spec.chunk_size))
+    failures = []
+    for config in (PassingBackwardConfig(), SMALL["passing"]):
+        with poisoned_memory():
+            got = TB.cutile_backwards().state_passing(
+                unformed, *args, dfinal_states=upstream["dfinal_states"], config=config)
+        torch.cuda.synchronize()
+        assert list(got) == list(want)
+        for key, ref in want.items():
+            result = check_gradient(key, got[key], ref.numpy(), dtype)
+            if not result.ok:
+                failures.append(f"{config}: {result.failure()}")
+    assert not failures, f"{spec} [{dtype}, seed {seed}]: " + "; ".join(failures)
+
+
 def test_bitwise_identical_reruns():
     """Two runs give the same bits: the cross-block sums (state slices, dA and ddt_bias over
     (b, l)) are two passes in a fixed order, no atomics."""

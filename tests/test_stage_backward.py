@@ -173,3 +173,38 @@ def test_launchers_reject_bad_input(stage, index, bad, name):
     args, kw = replaced(args, kw, index, bad(good))
     with launch.capture(), pytest.raises(ValueError, match=f"^{name}: "):
         getattr(TB.cutile_backwards(), stage)(*args, **kw)
+
+
+def entering(args, dy=lambda t: t, C=lambda t: t):
+    """state_passing's arguments with dprev_states unformed: chunk_scan's dy and C for the
+    all-features problem, each passed through its function."""
+    spec = EDGE_SHAPES["all-features"]
+    b, l, h, p, n, g = spec.dims
+    grad = TB.EnteringGradient(dy(torch.zeros(b, l, h, p)), C(torch.zeros(b, l, g, n)), None)
+    return (grad,) + args[1:]
+
+
+def test_state_passing_forms_dprev_states_in_its_walk():
+    """Given (dy, C) in place of dprev_states, one walk launch forms it (FORM_DPREV) and the
+    results are the torch function's for the formed tensor: keys, shapes, fp32."""
+    args, kw = stage_arguments()["state_passing"]
+    with launch.capture() as records:
+        got = TB.cutile_backwards().state_passing(*entering(args), **kw)
+    walk = [r for r in records if r.kernel._pyfunc.__name__ == "state_passing_backward_kernel"]
+    assert len(walk) == 1 and walk[0].args[-1] is True
+    want = TB.TORCH_BACKWARDS.state_passing(*args, **kw)
+    assert [(k, v.shape, v.dtype) for k, v in got.items()] == [
+        (k, v.shape, torch.float32) for k, v in want.items()]
+
+
+@pytest.mark.parametrize("dy, C, name", [
+    (lambda t: t[:, :, :-1], lambda t: t, "dprev_states.dy"),  # a head short
+    (lambda t: t[:, :-30], lambda t: t[:, :-30], "dprev_states.dy"),  # too few chunks
+    (lambda t: t, lambda t: t[:, :-1], "dprev_states.C"),
+    (lambda t: t, lambda t: t.int(), "dprev_states.C"),
+    (lambda t: t, lambda t: torch.cat([t, t[:, :, :1]], 2), "dprev_states.C"),  # 4 groups, 6 heads
+])
+def test_unformed_dprev_states_are_checked_by_name(dy, C, name):
+    args, kw = stage_arguments()["state_passing"]
+    with launch.capture(), pytest.raises(ValueError, match=f"^{name}: "):
+        TB.cutile_backwards().state_passing(*entering(args, dy, C), **kw)

@@ -516,9 +516,9 @@ def _grid_value(formula: str, args: dict, dims: dict) -> tuple:
 def kernel_table(dtype: str = "bfloat16") -> Table:
     """Every cuTile launch of one backward, in launch order, recorded on the CPU.
 
-    The launches are those ``ssd.tools.aot.capture_backward(dtype, "all")`` records (every
-    option on: seq_idx, the gate's rebuilt output, dt_bias, initial and final states), the ones
-    CI compiles ahead of time. Per launch: the kernel, its grid as its docstring writes it
+    The launches are those ``ssd.tools.aot.capture_backward(dtype, "all")`` records for the
+    default placement of dprev_states (``ScanBackwardConfig.dprev_in_walk``), with every option
+    on: seq_idx, the gate's rebuilt output, dt_bias, initial and final states. Per launch: the kernel, its grid as its docstring writes it
     (checked against the launch's grid: a docstring that disagrees raises ValueError) and what
     one block does, the blocks launched at the captured shape, the arrays it writes (a
     signature comment saying "out"; "(+=)" where it says "in" too) and the arrays it only
@@ -531,9 +531,10 @@ def kernel_table(dtype: str = "bfloat16") -> Table:
     """
     import inspect
 
+    from ..config import ScanBackwardConfig
     from ..tools.aot import capture_backward
 
-    records = capture_backward(dtype, "all")
+    records = capture_backward(dtype, "all", ScanBackwardConfig().dprev_in_walk)
     named = [dict(zip(inspect.signature(r.kernel._pyfunc).parameters, r.args)) for r in records]
     (b, l, h, p), (g, n) = named[0]["x"].shape, named[0]["B"].shape[2:]
     c, q = named[0]["dt_out"].shape[2:]
@@ -548,6 +549,8 @@ def kernel_table(dtype: str = "bfloat16") -> Table:
                              f"{_grid_value(grid, args, dims)}, the launch {record.grid}")
         writes, reads = [], []
         for name, comment in _array_roles(record.kernel).items():
+            if args[name].numel() == 1:  # a stand-in for an array the launch does not use
+                continue
             if re.search(r"\bout\b", comment):
                 writes.append(f"`{name}`" + (" (+=)" if re.search(r"\bin\b", comment) else ""))
             else:

@@ -31,7 +31,8 @@ import cuda.tile as ct
 
 from ..launch import array_type, index_dtype_for, launch, optional
 from ..config import ScanConfig, next_pow2
-from .tiles import ConstInt, ConstBool, ZERO, LOG2E, DECAY_ROW, head_rows, head_weights, finish_rows
+from .tiles import (ConstInt, ConstBool, ZERO, LOG2E, DECAY_ROW, entering_sequence, finish_rows,
+                    head_rows, head_weights)
 
 
 def entering_state(prev_states, chunk_decay, group_enter, ib, ic, ih, ip, chunks_per_group,
@@ -78,13 +79,6 @@ def same_sequence(seq_t, seq_idx, ib, ic, js, Q, BLOCK_S):
     seq_s = ct.load(seq_idx, index=(ib, ic * (Q // BLOCK_S) + js), shape=(1, BLOCK_S),
                     padding_mode=ZERO).reshape((BLOCK_S,))
     return seq_t[:, None] == seq_s[None, :]
-
-
-def entering_sequence(seq_last, ib, ic):
-    """Tile code: [1] the sequence running at the start of chunk ``ic``, whose state enters it
-    (0 for the first chunk)."""
-    prev_seq = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
-    return ct.where(ic > 0, prev_seq.reshape((1,)), 0)
 
 
 def entering_rows(c_t, seq_idx, ib, rows, prev_seq, BLOCK_M):

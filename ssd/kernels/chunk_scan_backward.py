@@ -27,7 +27,10 @@ Three kernels, each with one job:
    s <= t: dC (both terms) and the row and entering-state parts of ddA_cumsum, added to the
    column part ``columns`` stored; with z it also rebuilds y's SSM part (one more MMA a tile),
    which the gate's gradient needs.
-3. ``states``: dprev_states, one (chunk, head, ``block_n`` state columns) per block.
+3. ``states``: dprev_states, one (chunk, head, ``block_n`` state columns) per block. Only where
+   ``ScanBackwardConfig.dprev_in_walk`` is off: by default state_passing's backward walk forms
+   each chunk's dprev_states from (dy, C) where it consumes it, and the (b, c, h, p, n) fp32
+   tensor never reaches memory (the backward's mirror of the forward's fused stage 2).
 
 A (column or row) block walks a run of its group's heads in order (all of them, or one of
 ``head_splits`` equal runs) and keeps dB (dC) in registers across them, so the sum over a group's
@@ -56,7 +59,8 @@ import cuda.tile as ct
 
 from ..config import ScanBackwardConfig, head_splits, next_pow2
 from ..launch import array_type, chunk_seq_last, gpu_facts, index_dtype_for, launch, optional
-from .tiles import ConstBool, ConstInt, LOG2E, ZERO, head_run
+from .tiles import (ConstBool, ConstInt, LOG2E, ZERO, chunk_row, entering_gradient,
+                    entering_sequence, head_run, rows_of, sequence_ids)
 
 #: The kernels hold a whole head's channels in one tile (and the state's width, up to
 #: ``ssd.api.MAX_DSTATE``).
@@ -66,33 +70,6 @@ MAX_HEADDIM = 256
 # --------------------------------------------------------------------------------------------
 # Tile code shared by the kernels
 # --------------------------------------------------------------------------------------------
-
-
-def rows_of(arr, ib, l_tile, i2, i3, BLOCK, WIDTH, dtype):
-    """Tile code: rows ``l_tile*BLOCK ...`` of entry ``i2`` (a head or a group) of a (b, l, *, w)
-    array, columns ``i3*WIDTH ...``, [BLOCK, WIDTH] in ``dtype``; zeros past the array's ends."""
-    t = ct.load(arr, index=(ib, l_tile, i2, i3), shape=(1, BLOCK, 1, WIDTH), padding_mode=ZERO)
-    return t.reshape((BLOCK, WIDTH)).astype(dtype)
-
-
-def chunk_row(arr, ib, ih, ic, j, BLOCK):
-    """Tile code: positions ``j*BLOCK ...`` of chunk ``ic``, head ``ih`` of a (b, h, c, q) fp32
-    array, [BLOCK]."""
-    return ct.load(arr, index=(ib, ih, ic, j), shape=(1, 1, 1, BLOCK)).reshape((BLOCK,))
-
-
-def sequence_ids(seq_idx, ib, l_tile, BLOCK):
-    """Tile code: [BLOCK] seq_idx of rows ``l_tile*BLOCK ...`` (0 past the sequence end, where
-    dy and x are 0 and the mask decides nothing)."""
-    return ct.load(seq_idx, index=(ib, l_tile), shape=(1, BLOCK),
-                   padding_mode=ZERO).reshape((BLOCK,))
-
-
-def entering_sequence(seq_last, ib, ic):
-    """Tile code: [1] the sequence running when chunk ``ic`` starts, whose state enters it (0
-    before the first chunk)."""
-    prev = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
-    return ct.where(ic > 0, prev.reshape((1,)), 0)
 
 
 def positions(j, BLOCK_Q):
@@ -269,32 +246,9 @@ def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq
         ct.store(dC, index=(ib, rows, part, 0), tile=dc.reshape((1, BLOCK_Q, 1, N_PAD)))
 
 
-# --------------------------------------------------------------------------------------------
 # 3. states: dprev_states, a chunk_state of (dy, C) with decays from the chunk's start
-# --------------------------------------------------------------------------------------------
-
-
-def entering_gradient(ib, ic, ih, jn, dy, C, dA_cumsum, seq_idx, seq_last, dprev_states, seqlen,
-                      heads_per_group, Q, BLOCK_K, P_PAD, BLOCK_N, HAS_SEQ):
-    """Tile code: dprev_states [P, N] of chunk ``ic``, head ``ih``, state columns
-    ``jn*BLOCK_N ...``: sum_t e^{a_t} dy_tᵀ C_t over the rows t that continue the entering
-    sequence, ``BLOCK_K`` rows a step (the K loop of one MMA)."""
-    ig = ih // heads_per_group
-    prev_seq = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ
-    if HAS_SEQ:
-        prev_seq = entering_sequence(seq_last, ib, ic)
-    k_tiles = Q // BLOCK_K
-    acc = ct.zeros((P_PAD, BLOCK_N), dtype=ct.float32)  # [P, N]
-    for kk in range(ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)):  # K blocks in the sequence
-        rows = ic * k_tiles + kk
-        dy_k = rows_of(dy, ib, rows, ih, 0, BLOCK_K, P_PAD, C.dtype)  # [K, P]
-        c_k = rows_of(C, ib, rows, ig, jn, BLOCK_K, BLOCK_N, ct.float32)  # [K, N]
-        w = ct.exp2(chunk_row(dA_cumsum, ib, ih, ic, kk, BLOCK_K) * LOG2E)  # [K], <= 1
-        if HAS_SEQ:
-            w = ct.where(sequence_ids(seq_idx, ib, rows, BLOCK_K) == prev_seq, w, 0.0)
-        # Fold the decay into C in fp32, round once to the MMA's dtype.
-        acc = ct.mma(ct.transpose(dy_k), (c_k * w[:, None]).astype(C.dtype), acc)  # [P, N]
-    ct.store(dprev_states, index=(ib, ic, ih, 0, jn), tile=acc.reshape((1, 1, 1, P_PAD, BLOCK_N)))
+#    (:func:`ssd.kernels.tiles.entering_gradient`; state_passing's backward forms it instead
+#    where ScanBackwardConfig.dprev_in_walk)
 
 
 @functools.lru_cache(maxsize=None)
@@ -383,9 +337,11 @@ def build_kernels(index_dtype=ct.int32, occupancy=None, warps=None):
         HAS_SEQ: ConstBool,
     ):
         """Grid: (b * c, h, cdiv(n, BLOCK_N)), one chunk, head and slice of the state a block."""
-        entering_gradient(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), dy, C,
-                          dA_cumsum, seq_idx, seq_last, dprev_states, seqlen, heads_per_group, Q,
-                          BLOCK_K, P_PAD, BLOCK_N, HAS_SEQ)
+        ib, ic, ih, jn = ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2)
+        acc = entering_gradient(dy, C, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih,
+                                ih // heads_per_group, 0, jn, Q, BLOCK_K, P_PAD, BLOCK_N, HAS_SEQ)
+        ct.store(dprev_states, index=(ib, ic, ih, 0, jn),
+                 tile=acc.reshape((1, 1, 1, P_PAD, BLOCK_N)))
 
     return (chunk_scan_backward_columns_kernel, chunk_scan_backward_rows_kernel,
             chunk_scan_backward_states_kernel)
@@ -408,8 +364,9 @@ def launch_splits(config: ScanBackwardConfig, b, nchunks, h, g, q, device) -> in
 def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=None, seq_last=None,
                         config: ScanBackwardConfig = ScanBackwardConfig(), rebuild_y=False,
                         D=None):
-    """Launch the three kernels: the gradients of chunk_scan's SSM part and, with D, of the skip
-    connection y += D x (no z: ``dy`` is the gradient after the gate).
+    """Launch the kernels: the gradients of chunk_scan's SSM part and, with D, of the skip
+    connection y += D x (no z: ``dy`` is the gradient after the gate). The states kernel only
+    where ``config.dprev_in_walk`` is off.
 
     Args:
         dy: (b, l, h, p) gradient of y's SSM part, fp32, bf16 or fp16.
@@ -425,8 +382,8 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         D: optional (h,) or (h, p) skip weights: dx then holds D dy too, and dD is returned.
     Returns:
         dict of fp32 tensors: dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
-        (b, h, c, q), dprev_states (b, c, h, p, n), with D dD (D's shape), and with rebuild_y
-        y_ssm (b, l, h, p).
+        (b, h, c, q), dprev_states (b, c, h, p, n; None where config.dprev_in_walk), with D dD
+        (D's shape), and with rebuild_y y_ssm (b, l, h, p).
     Raises:
         ValueError: config.head_splits does not divide the heads per group.
     """
@@ -444,7 +401,8 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
                dx=torch.empty((b, l, h, p), dtype=f, device=dev),
                ddt_out=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
                ddA_cumsum=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
-               dprev_states=torch.empty((b, nchunks, h, p, n), dtype=f, device=dev))
+               dprev_states=None if config.dprev_in_walk else
+               torch.empty((b, nchunks, h, p, n), dtype=f, device=dev))
     y_ssm = torch.empty((b, l, h, p), dtype=f, device=dev) if rebuild_y else None
     # D as (h, p) fp32 (a per-head D broadcast over the channels); each column block's dD
     D_hp = None if D is None else D.to(f).reshape(h, -1).expand(h, p).contiguous()
@@ -471,10 +429,11 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         diagonal, prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
         y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, BLOCK_Q=config.rows_block_q),
         device=dev)
-    launch(states, (b * nchunks, h, -(-n // config.block_n)), dict(
-        dy=dy, C=C, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,
-        dprev_states=out["dprev_states"], BLOCK_K=config.block_k, BLOCK_N=config.block_n,
-        **sizes), device=dev)
+    if not config.dprev_in_walk:
+        launch(states, (b * nchunks, h, -(-n // config.block_n)), dict(
+            dy=dy, C=C, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,
+            dprev_states=out["dprev_states"], BLOCK_K=config.block_k, BLOCK_N=config.block_n,
+            **sizes), device=dev)
     if splits > 1:  # the runs' partial sums, added in a fixed order
         for k in ("dB", "dC"):
             out[k] = out[k].view(b, l, g, splits, n).sum(3)

@@ -72,6 +72,58 @@ def head_run(part, heads_per_group, head_splits):
     return ig, ig * heads_per_group + (part % head_splits) * heads, heads
 
 
+def rows_of(arr, ib, l_tile, i2, i3, BLOCK, WIDTH, dtype):
+    """Tile code: rows ``l_tile*BLOCK ...`` of entry ``i2`` (a head or a group) of a (b, l, *, w)
+    array, columns ``i3*WIDTH ...``, [BLOCK, WIDTH] in ``dtype``; zeros past the array's ends."""
+    t = ct.load(arr, index=(ib, l_tile, i2, i3), shape=(1, BLOCK, 1, WIDTH), padding_mode=ZERO)
+    return t.reshape((BLOCK, WIDTH)).astype(dtype)
+
+
+def chunk_row(arr, ib, ih, ic, j, BLOCK):
+    """Tile code: positions ``j*BLOCK ...`` of chunk ``ic``, head ``ih`` of a (b, h, c, q) fp32
+    array, [BLOCK]."""
+    return ct.load(arr, index=(ib, ih, ic, j), shape=(1, 1, 1, BLOCK)).reshape((BLOCK,))
+
+
+def sequence_ids(seq_idx, ib, l_tile, BLOCK):
+    """Tile code: [BLOCK] seq_idx of rows ``l_tile*BLOCK ...`` (0 past the sequence end, where
+    dy and x are 0 and the mask decides nothing)."""
+    return ct.load(seq_idx, index=(ib, l_tile), shape=(1, BLOCK),
+                   padding_mode=ZERO).reshape((BLOCK,))
+
+
+def entering_sequence(seq_last, ib, ic):
+    """Tile code: [1] the sequence running when chunk ``ic`` starts, whose state enters it (0
+    before the first chunk; ``seq_last``: (b, c) seq_idx at each chunk's last valid position)."""
+    prev = ct.load(seq_last, index=(ib, ct.maximum(ic - 1, 0)), shape=(1, 1))
+    return ct.where(ic > 0, prev.reshape((1,)), 0)
+
+
+def entering_gradient(dy, C, dA_cumsum, seq_idx, seq_last, seqlen, ib, ic, ih, ig, ip, jn, Q,
+                      BLOCK_K, BLOCK_P, BLOCK_N, HAS_SEQ):
+    """Tile code: the [BLOCK_P, BLOCK_N] fp32 gradient of the state entering chunk ``ic``
+    (dprev_states) for head ``ih`` (group ``ig``), channels ``ip*BLOCK_P ...``, state entries
+    ``jn*BLOCK_N ...``: sum_t e^{a_t} dy_tᵀ C_t over the rows t that continue the entering
+    sequence, ``BLOCK_K`` rows a step (the K loop of one MMA): a chunk_state of (dy, C) with
+    decays from the chunk's start. chunk_scan's backward stores it; state_passing's backward
+    walk can form it where it is consumed instead."""
+    prev_seq = ct.zeros((1,), dtype=ct.int32)  # unread without HAS_SEQ
+    if HAS_SEQ:
+        prev_seq = entering_sequence(seq_last, ib, ic)
+    k_tiles = Q // BLOCK_K
+    acc = ct.zeros((BLOCK_P, BLOCK_N), dtype=ct.float32)  # [P, N]
+    for kk in range(ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_K)):  # K blocks in the sequence
+        rows = ic * k_tiles + kk
+        dy_k = rows_of(dy, ib, rows, ih, ip, BLOCK_K, BLOCK_P, C.dtype)  # [K, P]
+        c_k = rows_of(C, ib, rows, ig, jn, BLOCK_K, BLOCK_N, ct.float32)  # [K, N]
+        w = ct.exp2(chunk_row(dA_cumsum, ib, ih, ic, kk, BLOCK_K) * LOG2E)  # [K], <= 1
+        if HAS_SEQ:
+            w = ct.where(sequence_ids(seq_idx, ib, rows, BLOCK_K) == prev_seq, w, 0.0)
+        # Fold the decay into C in fp32, round once to the MMA's dtype.
+        acc = ct.mma(ct.transpose(dy_k), (c_k * w[:, None]).astype(C.dtype), acc)  # [P, N]
+    return acc
+
+
 def chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_K):
     """Tile code: the [1] cumulative log-decay at the chunk's last position, dA_cumsum[..., Q-1].
 

@@ -206,15 +206,18 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
 BACKWARD_FEATURES = ("none", "all")
 
 
-def capture_backward(dtype: str, features: str):
+def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = None):
     """Run the launchers of the backward's cuTile stages (``ssd.kernels.<stage>_backward``:
     chunk_scan, state_passing, chunk_state, chunk_cumsum, in the order the backward calls them)
     on small CPU tensors and return the recorded launches: x, B, C, dt and the saved entering
     states in ``dtype``, as the forward leaves them; the upstream gradients, dt_out and dA_cumsum
     fp32. The shape is the forward's (:func:`capture_forward`): chunk 256, a ragged last chunk,
-    two groups of four heads."""
+    two groups of four heads. ``dprev_in_walk`` (``ScanBackwardConfig``'s): the launches of the
+    backward that forms dprev_states in state_passing's walk (True) or writes it from chunk_scan's
+    states kernel (False); None records both ways, every kernel variant."""
     import torch
 
+    from ..backward import EnteringGradient
     from ..config import ScanBackwardConfig
     from ..kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
     from ..kernels.chunk_scan_backward import chunk_scan_backward
@@ -230,16 +233,21 @@ def capture_backward(dtype: str, features: str):
     every = features == "all"
     seq_idx = torch.zeros(b, l, dtype=torch.int32) if every else None
     dt_out = torch.rand(b, h, c, q)
+    dy, C = torch.randn(b, l, h, p), torch.randn(b, l, g, n, dtype=t)
     with launch.capture() as records:
-        chunk_scan_backward(torch.randn(b, l, h, p), torch.randn(b, l, g, n, dtype=t),
-                            torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
-                            dt_out, -torch.rand(b, h, c, q), torch.randn(b, c, h, p, n, dtype=t),
-                            seq_idx=seq_idx, config=ScanBackwardConfig(), rebuild_y=every,
-                            D=torch.randn(h) if every else None)
-        passing = state_passing_backward_cutile(
-            torch.randn(b, c, h, p, n), torch.randn(b, c, h, p, n, dtype=t),
-            -torch.rand(b, h, c, q), torch.randn(b, h, p, n) if every else None, seq_idx,
-            dfinal_states=torch.randn(b, h, p, n) if every else None)
+        chunk_scan_backward(dy, torch.randn(b, l, g, n, dtype=t), C,
+                            torch.randn(b, l, h, p, dtype=t), dt_out, -torch.rand(b, h, c, q),
+                            torch.randn(b, c, h, p, n, dtype=t), seq_idx=seq_idx,
+                            config=ScanBackwardConfig(dprev_in_walk=dprev_in_walk is True),
+                            rebuild_y=every, D=torch.randn(h) if every else None)
+        formed = [] if dprev_in_walk else [torch.randn(b, c, h, p, n)]
+        unformed = [] if dprev_in_walk is False else [EnteringGradient(
+            dy.to(t), C, None if seq_idx is None else launch.chunk_seq_last(seq_idx, q))]
+        for dprev in formed + unformed:
+            passing = state_passing_backward_cutile(
+                dprev, torch.randn(b, c, h, p, n, dtype=t), -torch.rand(b, h, c, q),
+                torch.randn(b, h, p, n) if every else None, seq_idx,
+                dfinal_states=torch.randn(b, h, p, n) if every else None)
         state = chunk_state_backward_cutile(
             passing["dstates"], torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
             dt_out, -torch.rand(b, h, c, q), seq_idx,  # the backward's: scan's dx added, the

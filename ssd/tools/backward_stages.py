@@ -83,6 +83,18 @@ def head_split_choices(shape, chunk_size: int, wanted=()) -> tuple[int, list[int
     return default, [s for s in wanted if (h // g) % s == 0]
 
 
+def backward_call(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` as autograd runs a backward: without grad mode (the kept
+    arguments include the forward's inputs, leaves that require grad, which a launch outside a
+    backward refuses)."""
+    import torch
+
+    def call():
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+    return call
+
+
 def timed(fn, reps) -> dict:
     """``bench.time_fn`` of ``fn`` as a CUDA-graph replay, L2 flushed; eager where the capture
     fails (``mode`` and ``graph_error`` say so)."""
@@ -99,10 +111,24 @@ def timed(fn, reps) -> dict:
 SWEPT = ("head_splits", "block_q", "rows_block_q", "warps")
 
 
-def run(shapes, chunks=(64, 256), sweep=None, reps=30) -> dict:
+def where_dprev_forms(in_walk: bool) -> StageBackwards:
+    """The cuTile stages with dprev_states formed in state_passing's walk (``in_walk``, the
+    default) or by chunk_scan's states kernel (``ScanBackwardConfig.dprev_in_walk``)."""
+    import functools
+
+    from ..backward import chunk_scan_backward_cutile, cutile_backwards
+    from ..config import ScanBackwardConfig
+
+    return cutile_backwards()._replace(chunk_scan=functools.partial(
+        chunk_scan_backward_cutile, config=ScanBackwardConfig(dprev_in_walk=in_walk)))
+
+
+def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel")) -> dict:
     """Time every stage's backward, the forward and the forward + backward of each shape at each
-    chunk size, and chunk_scan's at every combination of ``sweep`` ({field of :data:`SWEPT`:
-    values}); return the payload (records, settings)."""
+    chunk size with dprev_states formed where each of ``dprev`` says ("walk": in state_passing's
+    walk, "kernel": by chunk_scan's states kernel), and chunk_scan's at every combination of
+    ``sweep`` ({field of :data:`SWEPT`: values}, dprev's first); return the payload (records,
+    settings)."""
     import dataclasses
     import itertools
 
@@ -114,52 +140,53 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30) -> dict:
     from .bench import make_inputs
 
     records, sweep = [], sweep or {}
-    for shape in shapes:
-        for q in chunks:
-            where = dict(shape=shape.name, dims=list(shape.dims), chunk_size=q)
-            calls = stage_calls(shape, q)
-            default, tried = head_split_choices(shape, q, sweep.get("head_splits", ()))
-            for stage, (fn, args, kwargs) in calls.items():
-                records.append(dict(where, what=stage, **timed(lambda: fn(*args, **kwargs), reps),
-                                    head_splits=default if stage == "chunk_scan" else None))
-            fn, args, kwargs = calls["chunk_scan"]
-            base = dataclasses.replace(ScanBackwardConfig(), head_splits=default)
-            values = [tried or (default,)] + [sweep.get(k) or (getattr(base, k),)
-                                              for k in SWEPT[1:]]
-            for point in itertools.product(*values) if any(sweep.values()) else ():
-                config = dataclasses.replace(base, **dict(zip(SWEPT, point)))
-                stats = timed(lambda: fn(*args, **dict(kwargs, config=config)), reps)
-                records.append(dict(where, what="chunk_scan (sweep)", **dict(zip(SWEPT, point)),
-                                    default=config == base, **stats))
-            leaves = leaves_of(make_inputs(shape))
-            x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
+    for shape, q, where_dprev in itertools.product(shapes, chunks, dprev):
+        backwards = where_dprev_forms(where_dprev == "walk")
+        where = dict(shape=shape.name, dims=list(shape.dims), chunk_size=q, dprev=where_dprev)
+        calls = stage_calls(shape, q, backwards=backwards)
+        default, tried = head_split_choices(shape, q, sweep.get("head_splits", ()))
+        for stage, (fn, args, kwargs) in calls.items():
+            records.append(dict(where, what=stage, **timed(backward_call(fn, args, kwargs), reps),
+                                head_splits=default if stage == "chunk_scan" else None))
+        fn, args, kwargs = calls["chunk_scan"]
+        base = ScanBackwardConfig(head_splits=default, dprev_in_walk=where_dprev == "walk")
+        values = [tried or (default,)] + [sweep.get(k) or (getattr(base, k),)
+                                          for k in SWEPT[1:]]
+        swept = any(sweep.values()) and where_dprev == dprev[0]
+        for point in itertools.product(*values) if swept else ():
+            config = dataclasses.replace(base, **dict(zip(SWEPT, point)))
+            stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
+            records.append(dict(where, what="chunk_scan (sweep)", **dict(zip(SWEPT, point)),
+                                default=config == base, **stats))
+        leaves = leaves_of(make_inputs(shape))
+        x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
 
-            def forward(x=x, dt=dt, A=A, B=B, C=C, D=D, bias=bias, q=q):
-                return api.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, dt_bias=bias,
-                                                     dt_softplus=True)
+        def forward(x=x, dt=dt, A=A, B=B, C=C, D=D, bias=bias, q=q, backwards=backwards):
+            return api.mamba_chunk_scan_combined(x, dt, A, B, C, q, D=D, dt_bias=bias,
+                                                 dt_softplus=True, backwards=backwards)
 
-            for what, fn in (("forward", inference(forward)),
-                             ("forward+backward", training_step(forward, leaves, upstream(shape)))):
-                records.append(dict(where, what=what, **timed(fn, reps)))
-            del calls, leaves
-            torch.cuda.empty_cache()
+        for what, fn in (("forward", inference(forward)),
+                         ("forward+backward", training_step(forward, leaves, upstream(shape)))):
+            records.append(dict(where, what=what, **timed(fn, reps)))
+        del calls, leaves
+        torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, mode="graph (eager where a record says so)",
                     l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events",
-                    statistic="median", dtype="bfloat16", chunks=list(chunks),
+                    statistic="median", dtype="bfloat16", chunks=list(chunks), dprev=list(dprev),
                     sweep={k: list(v) for k, v in (sweep or {}).items()})
     return dict(records=records, settings=settings)
 
 
 def breakdown(records) -> list[dict]:
-    """One row per (shape, chunk size): each stage's ms, their sum, the forward, the forward +
+    """One row per (shape, chunk size, where dprev_states forms): each stage's ms, their sum, the forward, the forward +
     backward, the backward (their difference) and what lies between the stages (the backward
     minus the stages' sum)."""
     rows = {}
     for r in records:
         if r["what"] == "chunk_scan (sweep)":
             continue
-        row = rows.setdefault((r["shape"], r["chunk_size"]),
-                              dict(shape=r["shape"], chunk_size=r["chunk_size"]))
+        row = rows.setdefault((r["shape"], r["chunk_size"], r["dprev"]),
+                              dict(shape=r["shape"], chunk_size=r["chunk_size"], dprev=r["dprev"]))
         row[r["what"]] = r["median_ms"]
         if r["what"] == "chunk_scan":
             row["head_splits"] = r["head_splits"]
@@ -176,9 +203,11 @@ def table(payload) -> str:
     """The breakdown as text, then chunk_scan's sweep (``*``: the defaults' point)."""
     cols = [*STAGES, "stages", "between stages", "backward", "forward", "forward+backward"]
     lines = [f"ms, CUDA-graph replay, L2 flushed, median of {payload['settings']['reps']}",
-             f"{'shape':13s} {'q':>4s} {'splits':>6s} " + " ".join(f"{c[:13]:>13s}" for c in cols)]
+             f"{'shape':13s} {'q':>4s} {'dprev':>6s} {'splits':>6s} "
+             + " ".join(f"{c[:13]:>13s}" for c in cols)]
     for row in breakdown(payload["records"]):
-        lines.append(f"{row['shape']:13s} {row['chunk_size']:4d} {row['head_splits']:6d} "
+        lines.append(f"{row['shape']:13s} {row['chunk_size']:4d} {row['dprev']:>6s} "
+                     f"{row['head_splits']:6d} "
                      + " ".join(f"{row[c]:13.3f}" for c in cols))
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
     if sweep:
@@ -209,6 +238,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows-block-q", default="",
                         help="and these tiles of its rows kernel alone, e.g. 32,64")
     parser.add_argument("--warps", default="", help="and these warp counts (4, 8)")
+    parser.add_argument("--dprev", default="walk,kernel",
+                        help="where dprev_states forms: walk (state_passing's, the default), "
+                             "kernel (chunk_scan's states kernel); the sweep takes the first")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="output JSON (default _build/backward_stages/<gpu>.json)")
     args = parser.parse_args(argv)
@@ -230,9 +262,12 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')}: {bad} not powers of two of at least 8")
     if bad := [v for v in sweep["warps"] if v not in (4, 8)]:
         parser.error(f"--warps: {bad} not 4 or 8")
+    dprev = tuple(args.dprev.split(","))
+    if bad := [d for d in dprev if d not in ("walk", "kernel")]:
+        parser.error(f"--dprev: {bad} not walk or kernel")
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
-    payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps),
+    payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps, dprev),
                    environment=env)
     out = args.out or ROOT / "_build" / "backward_stages" / f"{gpu_slug(env['gpu'])}.json"
     write_json(out, payload)
