@@ -154,6 +154,22 @@ def test_chunk_state_backward(name, tiles):
         close(got[k], want[k], k)
 
 
+@pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx", "full-chunks"])
+def test_chunk_state_backward_fp16_inputs(name):
+    """fp16 x and B: the MMAs take fp16 operands (dS and w x rounded once to fp16; the emulator
+    enforces the operands' matching dtypes), fp32 accumulation; against the float64 function of
+    the same fp16 values, within fp16 operand rounding."""
+    spec, t, ref, g = problem(name)
+    B, x = t["B"].half(), t["x"].half()
+    want = TB.chunk_state_backward_torch(g["dstates"], B.double(), x.double(), ref["dt_out"],
+                                         ref["dA_cumsum"], t.get("seq_idx"))
+    got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), B, x,
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), t.get("seq_idx"),
+                   config=SMALL_BACKWARD["state"])
+    for k in want:
+        close(got[k], want[k], k, rtol=FP16_RTOL)
+
+
 @pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx"])
 def test_chunk_state_backward_adds_dx_prior(name):
     """With dx_prior (chunk_scan's dx, as the backward passes it), the dx kernel adds it to its
