@@ -226,15 +226,15 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
         B: (b, l, g, n), x: (b, l, h, p), fp32 / bf16 / fp16, h a multiple of g.
         dt_out, dA_cumsum: (b, h, c, q), the forward's stage-1 outputs, c = ceil(l / q).
         seq_idx: optional (b, l) int32 / int64.
-        dx_prior: optional contiguous (b, l, h, p) tensor in dstates' dtype, x's other gradient
+        dx_prior: optional contiguous (b, l, h, p) tensor in the compute dtype, x's other gradient
             (chunk_scan's): the kernel adds it to this stage's dx (it is only read), so that no
             sum pass follows.
-        dx_dtype: dx's dtype (None: dstates'), e.g. x's where dx is the final gradient, so that
-            no cast pass follows.
+        dx_dtype: dx's dtype (None: the compute dtype), e.g. x's where dx is the final gradient,
+            so that no cast pass follows.
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions (dx: plus dx_prior, in dx_dtype), in dstates' dtype, computed in
-        fp32.
+        stage's contributions (dx: plus dx_prior, in dx_dtype), in the compute dtype, fp32
+        (dstates may come in x's dtype, which its MMAs take it in).
     Raises:
         ValueError naming an argument of the wrong shape or dtype.
     """
@@ -254,7 +254,7 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
     check_array("dstates", dstates, (b, c, h, p, n), floats)
     if seq_idx is not None:
         check_array("seq_idx", seq_idx, (b, l), (torch.int32, torch.int64))
-    dev, f = dstates.device, dstates.dtype
+    dev, f = dstates.device, torch.float32
     dstates, B, x, dt_out, dA_cumsum = (t.contiguous() for t in (dstates, B, x, dt_out, dA_cumsum))
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     if dx_prior is not None:
