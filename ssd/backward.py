@@ -256,21 +256,22 @@ def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *
     Args:
         dstates: (b, c, h, p, n) gradient of states.
         B, x, dt_out, dA_cumsum, seq_idx: the forward's arguments.
-        dx_prior: optional (b, l, h, p) tensor in dstates' dtype, x's other gradient
+        dx_prior: optional (b, l, h, p) tensor in the compute dtype, x's other gradient
             (chunk_scan's), added to this stage's dx (only read).
-        dx_dtype: dx's dtype (None: dstates').
+        dx_dtype: dx's dtype (None: the compute dtype).
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions (dx: plus dx_prior, in dx_dtype), in dstates' dtype.
+        stage's contributions (dx: plus dx_prior, in dx_dtype), in the compute dtype:
+        dstates', at least fp32 (dstates may come rounded to x's dtype).
     """
     b, l, h, p, g, n, c, q = _group_sizes(x, B, dA_cumsum)
-    r, f = h // g, dstates.dtype
+    r, f = h // g, torch.promote_types(dstates.dtype, torch.float32)
     dA_cs = dA_cumsum.to(f)
     decay = _decay_to_end(dA_cs, seq_masks(seq_idx, q))  # (b, h, c, q)
     w = _by_group(decay * dt_out.to(f), g)  # (b, c, q, g, r): the forward's weights
     x_c = _chunk(x, q, f).reshape(b, c, q, g, r, p)
     B_c = _chunk(B, q, f)  # (b, c, q, g, n)
-    dS = dstates.reshape(b, c, g, r, p, n)
+    dS = dstates.to(f).reshape(b, c, g, r, p, n)
 
     # x and B: the state's gradient read back by B_s (resp. x_s), weighted
     dSB = torch.einsum("bcgrpn,bcsgn->bcsgrp", dS, B_c)  # (b, c, q, g, r, p)
@@ -289,7 +290,7 @@ def chunk_state_backward_torch(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, *
 
 
 def state_passing_backward_torch(dprev_states, prev_states, dA_cumsum, initial_states=None,
-                                 seq_idx=None, *, dfinal_states=None):
+                                 seq_idx=None, *, dfinal_states=None, dstates_dtype=None):
     """The backward of stage 3 (``ssd.reference_backward.state_passing_backward``): the scan
     over chunks run backwards with the same decays.
 
@@ -304,10 +305,13 @@ def state_passing_backward_torch(dprev_states, prev_states, dA_cumsum, initial_s
         dA_cumsum: (b, h, c, q); initial_states: the forward's (only whether it was given
             matters); seq_idx: optional (b, l).
         dfinal_states: optional (b, h, p, n) gradient of final_states (None: 0).
+        dstates_dtype: dstates' dtype (None: dprev_states'); the backward asks for x's, the dtype
+            chunk_state's MMAs take it in, so that the (b, c, h, p, n) tensor is stored rounded
+            once, at half the size in bf16 and fp16.
     Returns:
-        dict with dstates (b, c, h, p, n), ddA_cumsum (b, h, c, q) (non-zero in the last
-        column only) and, with initial_states, dinitial_states (b, h, p, n); in dprev_states'
-        dtype.
+        dict with dstates (b, c, h, p, n; in dstates_dtype), ddA_cumsum (b, h, c, q) (non-zero
+        in the last column only) and, with initial_states, dinitial_states (b, h, p, n); in
+        dprev_states' dtype.
     """
     b, c, h, p, n = dprev_states.shape
     f = dprev_states.dtype
@@ -322,7 +326,7 @@ def state_passing_backward_torch(dprev_states, prev_states, dA_cumsum, initial_s
     ddecay = torch.einsum("bchpn,bchpn->bhc", dstates, prev_states.to(f))
     ddA = torch.zeros_like(dA_cumsum, dtype=f)
     ddA[..., -1] = ddecay * decay
-    out = {"dstates": dstates, "ddA_cumsum": ddA}
+    out = {"dstates": dstates.to(dstates_dtype or f), "ddA_cumsum": ddA}
     if initial_states is not None:
         out["dinitial_states"] = R
     return out
@@ -655,7 +659,8 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     scan = stage.chunk_scan(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
     # 3. state_passing: back over the chunks, from the final state's gradient
     passing = stage.state_passing(scan.pop("dprev_states"), prev_states, dA_cumsum,
-                                  initial_states, seq_idx, dfinal_states=dfinal_states)
+                                  initial_states, seq_idx, dfinal_states=dfinal_states,
+                                  dstates_dtype=x.dtype)  # what chunk_state's MMAs read
     # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum; its kernel
     #    adds chunk_scan's dx and writes the sum in dx_dtype (no sum pass, no cast pass)
     state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx,

@@ -154,6 +154,51 @@ def test_chunk_state_backward(name, tiles):
         close(got[k], want[k], k)
 
 
+@pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx", "full-chunks"])
+def test_chunk_state_backward_fp16_inputs(name):
+    """fp16 x and B: the MMAs take fp16 operands (dS and w x rounded once to fp16; the emulator
+    enforces the operands' matching dtypes), fp32 accumulation; against the float64 function of
+    the same fp16 values, within fp16 operand rounding."""
+    spec, t, ref, g = problem(name)
+    B, x = t["B"].half(), t["x"].half()
+    want = TB.chunk_state_backward_torch(g["dstates"], B.double(), x.double(), ref["dt_out"],
+                                         ref["dA_cumsum"], t.get("seq_idx"))
+    got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), B, x,
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), t.get("seq_idx"),
+                   config=SMALL_BACKWARD["state"])
+    for k in want:
+        close(got[k], want[k], k, rtol=FP16_RTOL)
+
+
+@pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx"])
+def test_dstates_stored_in_the_dtype_chunk_state_reads(name):
+    """The backward asks state_passing for dstates in x's dtype (``dstates_dtype``): the walk
+    stores R rounded once, the rest stays fp32, and chunk_state reads the rounded dstates as its
+    MMA operand, computing and returning fp32."""
+    spec, t, ref, g = problem(name)
+    init, seq = t.get("initial_states"), t.get("seq_idx")
+    walk = emulated(PASSING.state_passing_backward_cutile, g["dprev_states"].float(),
+                    ref["prev_states"].float(), ref["dA_cumsum"].float(), init, seq,
+                    dfinal_states=g["dfinal_states"].float(), dstates_dtype=torch.float16,
+                    config=SMALL_BACKWARD["passing"])
+    want = TB.state_passing_backward_torch(g["dprev_states"], ref["prev_states"],
+                                           ref["dA_cumsum"], init, seq,
+                                           dfinal_states=g["dfinal_states"])
+    assert walk["dstates"].dtype == torch.float16
+    assert all(v.dtype == torch.float32 for k, v in walk.items() if k != "dstates")
+    for k in want:
+        close(walk[k], want[k], k, rtol=FP16_RTOL if k == "dstates" else RTOL)
+    B, x = t["B"].half(), t["x"].half()
+    got = emulated(STATE.chunk_state_backward_cutile, walk["dstates"], B, x,
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), seq,
+                   config=SMALL_BACKWARD["state"])
+    assert all(v.dtype == torch.float32 for v in got.values())
+    want = TB.chunk_state_backward_torch(walk["dstates"].double(), B.double(), x.double(),
+                                         ref["dt_out"], ref["dA_cumsum"], seq)
+    for k in want:
+        close(got[k], want[k], k, rtol=FP16_RTOL)
+
+
 @pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx"])
 def test_chunk_state_backward_adds_dx_prior(name):
     """With dx_prior (chunk_scan's dx, as the backward passes it), the dx kernel adds it to its

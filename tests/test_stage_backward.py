@@ -108,7 +108,7 @@ def stage_arguments(dtype=torch.bfloat16):
     dt_out, dA = r(b, h, c, q).abs(), -r(b, h, c, q).abs()
     return dict(
         state_passing=((r(b, c, h, p, n), r(b, c, h, p, n, dt=dtype), dA, r(b, h, p, n), seq),
-                       dict(dfinal_states=r(b, h, p, n))),
+                       dict(dfinal_states=r(b, h, p, n), dstates_dtype=dtype)),
         chunk_state=((r(b, c, h, p, n), r(b, l, g, n, dt=dtype), r(b, l, h, p, dt=dtype), dt_out,
                       dA, seq), {}),
         chunk_cumsum=((r(b, h, c, q), r(b, h, c, q), r(b, l, h, dt=dtype), -r(h).abs(), q, r(h),
@@ -146,6 +146,7 @@ BAD = [
     ("state_passing", 4, lambda t: t[:, :40], "seq_idx"),  # too short for c chunks
     ("state_passing", 4, lambda t: t.float(), "seq_idx"),
     ("state_passing", "dfinal_states", lambda t: t[:1], "dfinal_states"),
+    ("state_passing", "dstates_dtype", lambda t: torch.int32, "dstates_dtype"),
     ("chunk_state", 0, lambda t: t[:, :-1], "dstates"),
     ("chunk_state", 1, lambda t: t[:, :, :, :-1], "dstates"),  # n from B
     ("chunk_state", 1, lambda t: t[:, :-1], "B"),
@@ -186,7 +187,8 @@ def entering(args, dy=lambda t: t, C=lambda t: t):
 
 def test_state_passing_forms_dprev_states_in_its_walk():
     """Given (dy, C) in place of dprev_states, one walk launch forms it (FORM_DPREV) and the
-    results are the torch function's for the formed tensor: keys, shapes, fp32."""
+    results are the torch function's for the formed tensor: keys, shapes, and fp32 but where
+    dstates_dtype asks otherwise."""
     args, kw = stage_arguments()["state_passing"]
     with launch.capture() as records:
         got = TB.cutile_backwards().state_passing(*entering(args), **kw)
@@ -194,7 +196,8 @@ def test_state_passing_forms_dprev_states_in_its_walk():
     assert len(walk) == 1 and walk[0].args[-1] is True
     want = TB.TORCH_BACKWARDS.state_passing(*args, **kw)
     assert [(k, v.shape, v.dtype) for k, v in got.items()] == [
-        (k, v.shape, torch.float32) for k, v in want.items()]
+        (k, v.shape, kw["dstates_dtype"] if k == "dstates" else torch.float32)
+        for k, v in want.items()]
 
 
 @pytest.mark.parametrize("dy, C, name", [

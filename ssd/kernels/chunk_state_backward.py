@@ -16,7 +16,10 @@ dS = dstates[c] (p x n), with dSB_s = dS B_s (p), the state read back by B_s::
 (the exponent dA_cumsum[q-1] - dA_cumsum[s] sends dw_s w_s to the last column with a plus sign
 and to column s with a minus; ``ssd.backward.chunk_state_backward_torch`` is the specification).
 
-Two kernels, every product in fp32 (MMAs of fp32 operands, fp32 accumulation):
+Two kernels. Their MMAs take operands in the inputs' dtype, dS rounded once to it (and w x,
+formed in fp32), with fp32 accumulation, as chunk_scan's backward rounds its weights: on sm_90
+fp32 operands compile to CUDA-core multiplies and adds, bf16 ones to tensor-core MMAs
+(``cuobjdump -sass``). Everything elementwise is fp32:
 
 * :func:`build_dx_kernel`, one block per (batch, chunk, head): the chunk ``BLOCK_S`` positions
   at a time; for each, dSB over the channel tiles (a K loop over the state tiles), dx stored,
@@ -68,11 +71,12 @@ def row_weights(dt_out, dA_cumsum, seq_idx, last, seq_end, ib, ih, ic, ks, row, 
     return decay, decay * dts.reshape((BLOCK_S,)).astype(ct.float32)
 
 
-def state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N):
-    """Tile code: the [P, N] fp32 tile (ip, jn) of chunk ``ic``'s state gradient, head ``ih``."""
+def state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N, dtype):
+    """Tile code: the [P, N] tile (ip, jn) of chunk ``ic``'s state gradient, head ``ih``, in
+    ``dtype`` (the MMA's operand dtype)."""
     ds = ct.load(dstates, index=(ib, ic, ih, ip, jn), shape=(1, 1, 1, BLOCK_P, BLOCK_N),
                  padding_mode=ZERO)
-    return ds.reshape((BLOCK_P, BLOCK_N)).astype(ct.float32)
+    return ds.reshape((BLOCK_P, BLOCK_N)).astype(dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,8 +129,8 @@ def build_dx_kernel(index_dtype=ct.int32):
                 for jn in range(n_tiles):
                     bt = ct.load(B, index=(ib, row, ig, jn), shape=(1, BLOCK_S, 1, BLOCK_N),
                                  padding_mode=ZERO).reshape((BLOCK_S, BLOCK_N))
-                    ds = state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N)
-                    dsb = ct.mma(bt.astype(ct.float32), ct.transpose(ds), dsb)  # [S, P]
+                    ds = state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N, B.dtype)
+                    dsb = ct.mma(bt, ct.transpose(ds), dsb)  # [S, P], fp32 accumulation
                 xt = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
                              padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P)).astype(ct.float32)
                 dxt = w[:, None] * dsb  # [S, P]
@@ -202,8 +206,9 @@ def build_db_kernel(index_dtype=ct.int32):
                     # dB_s += (w_s x_s) dS: the head's channels are the MMA's K
                     xt = ct.load(x, index=(ib, row, ih, ip), shape=(1, BLOCK_S, 1, BLOCK_P),
                                  padding_mode=ZERO).reshape((BLOCK_S, BLOCK_P)).astype(ct.float32)
-                    ds = state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N)
-                    acc = ct.mma(xt * w[:, None], ds, acc)  # [S, N]
+                    ds = state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N, x.dtype)
+                    # the weight folded into x in fp32, rounded once to the MMA's dtype
+                    acc = ct.mma((xt * w[:, None]).astype(x.dtype), ds, acc)  # [S, N]
             ct.store(dB, index=(ib, row, ct.bid(1), jn),
                      tile=acc.reshape((1, BLOCK_S, 1, BLOCK_N)).astype(dB.dtype))
 
@@ -221,15 +226,15 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
         B: (b, l, g, n), x: (b, l, h, p), fp32 / bf16 / fp16, h a multiple of g.
         dt_out, dA_cumsum: (b, h, c, q), the forward's stage-1 outputs, c = ceil(l / q).
         seq_idx: optional (b, l) int32 / int64.
-        dx_prior: optional contiguous (b, l, h, p) tensor in dstates' dtype, x's other gradient
+        dx_prior: optional contiguous (b, l, h, p) tensor in the compute dtype, x's other gradient
             (chunk_scan's): the kernel adds it to this stage's dx (it is only read), so that no
             sum pass follows.
-        dx_dtype: dx's dtype (None: dstates'), e.g. x's where dx is the final gradient, so that
-            no cast pass follows.
+        dx_dtype: dx's dtype (None: the compute dtype), e.g. x's where dx is the final gradient,
+            so that no cast pass follows.
     Returns:
         dict with dB (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum (b, h, c, q), this
-        stage's contributions (dx: plus dx_prior, in dx_dtype), in dstates' dtype, computed in
-        fp32.
+        stage's contributions (dx: plus dx_prior, in dx_dtype), in the compute dtype, fp32
+        (dstates may come in x's dtype, which its MMAs take it in).
     Raises:
         ValueError naming an argument of the wrong shape or dtype.
     """
@@ -249,7 +254,7 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
     check_array("dstates", dstates, (b, c, h, p, n), floats)
     if seq_idx is not None:
         check_array("seq_idx", seq_idx, (b, l), (torch.int32, torch.int64))
-    dev, f = dstates.device, dstates.dtype
+    dev, f = dstates.device, torch.float32
     dstates, B, x, dt_out, dA_cumsum = (t.contiguous() for t in (dstates, B, x, dt_out, dA_cumsum))
     seq = None if seq_idx is None else seq_idx.to(torch.int32).contiguous()
     if dx_prior is not None:

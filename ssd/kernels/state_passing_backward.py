@@ -149,7 +149,7 @@ def build_rows_kernel(index_dtype=ct.int32):
 
 
 def state_passing_backward_cutile(dprev_states, prev_states, dA_cumsum, initial_states=None,
-                                  seq_idx=None, *, dfinal_states=None,
+                                  seq_idx=None, *, dfinal_states=None, dstates_dtype=None,
                                   config: PassingBackwardConfig = PassingBackwardConfig()):
     """The backward of state_passing in cuTile: the arguments and result of
     :func:`ssd.backward.state_passing_backward_torch`, plus the tiles (``config``).
@@ -162,6 +162,8 @@ def state_passing_backward_cutile(dprev_states, prev_states, dA_cumsum, initial_
         dA_cumsum: (b, h, c, q) fp32 / bf16 / fp16; initial_states: the forward's (only
             whether it was given matters); seq_idx: optional (b, l) int32 / int64, l > (c-1) q.
         dfinal_states: optional (b, h, p, n) gradient of final_states (None: 0).
+        dstates_dtype: dstates' dtype (None: that of the results below); the walk rounds R once
+            as it stores it.
     Returns:
         dict with dstates (b, c, h, p, n), ddA_cumsum (b, h, c, q) (non-zero in the last
         column only) and, with initial_states, dinitial_states (b, h, p, n); in dprev_states'
@@ -196,6 +198,8 @@ def state_passing_backward_cutile(dprev_states, prev_states, dA_cumsum, initial_
         check_array("initial_states", initial_states, (b, h, p, n), floats + (torch.float64,))
     if dfinal_states is not None:
         check_array("dfinal_states", dfinal_states, (b, h, p, n), floats)
+    if dstates_dtype not in (None, *floats):
+        raise ValueError(f"dstates_dtype: expected one of {', '.join(FLOATS)}, got {dstates_dtype}")
     if seq_idx is not None:
         l = length("seq_idx", check_array("seq_idx", seq_idx, (b, l if form else "l"),
                                           (torch.int32, torch.int64))[1])
@@ -220,7 +224,7 @@ def state_passing_backward_cutile(dprev_states, prev_states, dA_cumsum, initial_
                                      for v in (block_p, block_n, block_k))
     n_tiles = -(-n // block_n)
     slices = -(-p // block_p) * n_tiles
-    dstates = torch.empty((b, c, h, p, n), device=dev, dtype=f)
+    dstates = torch.empty((b, c, h, p, n), device=dev, dtype=dstates_dtype or f)
     dinitial = torch.empty((b, h, p, n), device=dev, dtype=f) if initial_states is not None else None
     parts = torch.empty((b, h, c, slices), device=dev, dtype=torch.float32)
     ddA = torch.empty((b, h, c, q), device=dev, dtype=f)

@@ -247,7 +247,8 @@ def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = Non
             passing = state_passing_backward_cutile(
                 dprev, torch.randn(b, c, h, p, n, dtype=t), -torch.rand(b, h, c, q),
                 torch.randn(b, h, p, n) if every else None, seq_idx,
-                dfinal_states=torch.randn(b, h, p, n) if every else None)
+                dfinal_states=torch.randn(b, h, p, n) if every else None,
+                dstates_dtype=t)  # as the backward asks: in x's dtype, which chunk_state reads
         state = chunk_state_backward_cutile(
             passing["dstates"], torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
             dt_out, -torch.rand(b, h, c, q), seq_idx,  # the backward's: scan's dx added, the
