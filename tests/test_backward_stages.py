@@ -75,13 +75,17 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     monkeypatch.setattr(api, "mamba_chunk_scan_combined", forward)
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
-                     reps=3)
+                     reps=3, state_tiles=[(64, 32, 32), (16, 8, 8)])
     assert chosen == [True, False]  # dprev_states formed in the walk, then by the states kernel
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
     assert {r["dprev"] for r in sweep} == {"walk"}  # the sweep takes the first placement
     assert sorted((r["head_splits"], r["warps"]) for r in sweep) == [(1, 4), (1, 8), (2, 4),
                                                                      (2, 8)]
     assert not any(r["default"] for r in sweep)  # warps None is the default; none swept
+    state = [r for r in payload["records"] if r["what"] == "chunk_state (sweep)"]
+    assert [(r["block_s"], r["block_p"], r["block_n"], r["default"]) for r in state] == [
+        (64, 32, 32, True), (16, 8, 8, False)]  # at the first placement only
+    assert "chunk_state's backward by" in BS.table(payload)
     for dprev in ("walk", "kernel"):
         assert {r["what"] for r in payload["records"] if r["dprev"] == dprev} >= {
             *BS.STAGES, "forward", "forward+backward"}
@@ -111,7 +115,10 @@ def test_breakdown_adds_up_and_the_table_marks_the_default():
                                          (["--block-q", "48"], r"--block-q: \[48\]"),
                                          (["--rows-block-q", "4"], r"--rows-block-q: \[4\]"),
                                          (["--warps", "6"], r"--warps: \[6\]"),
-                                         (["--dprev", "both"], r"--dprev: \['both'\]")])
+                                         (["--dprev", "both"], r"--dprev: \['both'\]"),
+                                         (["--state-tiles", "64x32"],
+                                          r"--state-tiles: \[\(64, 32\)"),
+                                         (["--state-tiles", "64xax32"], "not SxPxN")])
 def test_bad_arguments_are_refused_by_name(argv, match, capsys):
     with pytest.raises(SystemExit):
         BS.main(argv)

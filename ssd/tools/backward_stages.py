@@ -5,7 +5,7 @@ opens ours up. For each shape of the models suite (bf16, the layer's SSD call: D
 dt_bias, softplus; ``bench.make_inputs``) and chunk size it runs one forward + backward through
 ``ssd.mamba_chunk_scan_combined`` with every stage's backward wrapped so that its arguments are
 kept (:func:`stage_calls`), then times each stage's backward alone on exactly those arguments:
-``chunk_scan`` (its three kernels and the gate and skip around them), ``state_passing``,
+``chunk_scan`` (its kernels and the gate and skip around them), ``state_passing``,
 ``chunk_state``, ``chunk_cumsum``. Beside them: the forward, and the forward + backward, so that
 "between stages" (the backward's sums and casts outside the stages) is what is left. With
 ``--head-splits``, ``--block-q``, ``--rows-block-q`` or ``--warps`` it also times
@@ -13,7 +13,8 @@ kept (:func:`stage_calls`), then times each stage's backward alone on exactly th
 fields (the others at their defaults; head splits that do not divide a shape's heads per group
 are skipped), the defaults' point marked: the knobs that trade blocks for a buffer
 (``head_splits``) and registers for spills (tiles and warps; ``ScanBackwardConfig``'s docstring
-says which spill).
+says which spill). ``--state-tiles`` times ``chunk_state``'s backward at each given tiling, and
+``--dprev`` says where dprev_states forms (both places by default).
 
 Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
 removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
@@ -109,6 +110,8 @@ def timed(fn, reps) -> dict:
 
 #: The fields of ScanBackwardConfig the sweep varies, in the order the table prints them.
 SWEPT = ("head_splits", "block_q", "rows_block_q", "warps")
+#: The fields of StateBackwardConfig chunk_state's sweep sets (--state-tiles SxPxN).
+STATE_SWEPT = ("block_s", "block_p", "block_n")
 
 
 def where_dprev_forms(in_walk: bool) -> StageBackwards:
@@ -123,19 +126,21 @@ def where_dprev_forms(in_walk: bool) -> StageBackwards:
         chunk_scan_backward_cutile, config=ScanBackwardConfig(dprev_in_walk=in_walk)))
 
 
-def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel")) -> dict:
+def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"),
+        state_tiles=()) -> dict:
     """Time every stage's backward, the forward and the forward + backward of each shape at each
     chunk size with dprev_states formed where each of ``dprev`` says ("walk": in state_passing's
-    walk, "kernel": by chunk_scan's states kernel), and chunk_scan's at every combination of
-    ``sweep`` ({field of :data:`SWEPT`: values}, dprev's first); return the payload (records,
-    settings)."""
+    walk, "kernel": by chunk_scan's states kernel), chunk_scan's at every combination of
+    ``sweep`` ({field of :data:`SWEPT`: values}) and chunk_state's at each of ``state_tiles``
+    ((block_s, block_p, block_n) of StateBackwardConfig), both sweeps at dprev's first; return
+    the payload (records, settings)."""
     import dataclasses
     import itertools
 
     import torch
 
     from .. import api
-    from ..config import ScanBackwardConfig
+    from ..config import ScanBackwardConfig, StateBackwardConfig
     from .backward_bench import LEAVES, inference, leaves_of, training_step, upstream
     from .bench import make_inputs
 
@@ -158,6 +163,12 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"))
             stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
             records.append(dict(where, what="chunk_scan (sweep)", **dict(zip(SWEPT, point)),
                                 default=config == base, **stats))
+        fn, args, kwargs = calls["chunk_state"]
+        for tiles in state_tiles if where_dprev == dprev[0] else ():
+            config = StateBackwardConfig(**dict(zip(STATE_SWEPT, tiles)))
+            stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
+            records.append(dict(where, what="chunk_state (sweep)", **dict(zip(STATE_SWEPT, tiles)),
+                                default=config == StateBackwardConfig(), **stats))
         leaves = leaves_of(make_inputs(shape))
         x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
 
@@ -173,17 +184,18 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"))
     settings = dict(reps=reps, warmup=5, mode="graph (eager where a record says so)",
                     l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events",
                     statistic="median", dtype="bfloat16", chunks=list(chunks), dprev=list(dprev),
-                    sweep={k: list(v) for k, v in (sweep or {}).items()})
+                    sweep={k: list(v) for k, v in (sweep or {}).items()},
+                    state_tiles=[list(t) for t in state_tiles])
     return dict(records=records, settings=settings)
 
 
 def breakdown(records) -> list[dict]:
-    """One row per (shape, chunk size, where dprev_states forms): each stage's ms, their sum, the forward, the forward +
-    backward, the backward (their difference) and what lies between the stages (the backward
-    minus the stages' sum)."""
+    """One row per (shape, chunk size, where dprev_states forms): each stage's ms, their sum,
+    the forward, the forward + backward, the backward (their difference) and what lies between
+    the stages (the backward minus the stages' sum)."""
     rows = {}
     for r in records:
-        if r["what"] == "chunk_scan (sweep)":
+        if r["what"].endswith("(sweep)"):
             continue
         row = rows.setdefault((r["shape"], r["chunk_size"], r["dprev"]),
                               dict(shape=r["shape"], chunk_size=r["chunk_size"], dprev=r["dprev"]))
@@ -217,6 +229,13 @@ def table(payload) -> str:
             point = " ".join(f"{str(r[k]):>5s}" for k in SWEPT)
             lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {point}"
                          f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
+    state = [r for r in payload["records"] if r["what"] == "chunk_state (sweep)"]
+    if state:
+        lines.append("chunk_state's backward by " + ", ".join(STATE_SWEPT) + " (* the defaults)")
+        for r in state:
+            point = " ".join(f"{r[k]:>5d}" for k in STATE_SWEPT)
+            lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {point}"
+                         f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
     return "\n".join(lines)
 
 
@@ -241,6 +260,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dprev", default="walk,kernel",
                         help="where dprev_states forms: walk (state_passing's, the default), "
                              "kernel (chunk_scan's states kernel); the sweep takes the first")
+    parser.add_argument("--state-tiles", default="",
+                        help="chunk_state's backward also at these block_s x block_p x block_n, "
+                             "e.g. 64x32x32,64x64x64")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="output JSON (default _build/backward_stages/<gpu>.json)")
     args = parser.parse_args(argv)
@@ -262,13 +284,20 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')}: {bad} not powers of two of at least 8")
     if bad := [v for v in sweep["warps"] if v not in (4, 8)]:
         parser.error(f"--warps: {bad} not 4 or 8")
+    try:
+        state_tiles = [tuple(int(v) for v in t.split("x")) for t in args.state_tiles.split(",")
+                       if t]
+    except ValueError:
+        parser.error(f"--state-tiles: {args.state_tiles!r} is not SxPxN,... (integers)")
+    if bad := [t for t in state_tiles if len(t) != 3 or any(v < 8 or v & (v - 1) for v in t)]:
+        parser.error(f"--state-tiles: {bad} not three powers of two of at least 8")
     dprev = tuple(args.dprev.split(","))
     if bad := [d for d in dprev if d not in ("walk", "kernel")]:
         parser.error(f"--dprev: {bad} not walk or kernel")
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
-    payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps, dprev),
-                   environment=env)
+    payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps, dprev,
+                       state_tiles), environment=env)
     out = args.out or ROOT / "_build" / "backward_stages" / f"{gpu_slug(env['gpu'])}.json"
     write_json(out, payload)
     print(table(payload))
