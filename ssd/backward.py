@@ -313,6 +313,10 @@ def state_passing_backward_torch(dprev_states, prev_states, dA_cumsum, initial_s
         in the last column only) and, with initial_states, dinitial_states (b, h, p, n); in
         dprev_states' dtype.
     """
+    if isinstance(dprev_states, EnteringGradient):
+        raise TypeError("dprev_states: an EnteringGradient (chunk_scan's cuTile backward with "
+                        "ScanBackwardConfig.dprev_in_walk) is formed only by state_passing's "
+                        "cuTile backward; pair this one with dprev_in_walk=False")
     b, c, h, p, n = dprev_states.shape
     f = dprev_states.dtype
     decay = _chunk_decay(dA_cumsum.to(f), seq_masks(seq_idx, dA_cumsum.shape[-1]))  # (b, h, c)

@@ -589,3 +589,24 @@ def test_layer_kernels_do_not_spill(features):
     for record in aot.capture_layer("bfloat16", features, preset="2.7b"):
         use = aot.resource_usage(aot.export_cubin(record, "sm_90"))
         assert use["stack_bytes"] == 0, (record.kernel._pyfunc.__name__, use)
+
+
+def test_backward_mmas_run_on_tensor_cores():
+    """The default backward in bf16 on sm_90: every kernel that multiplies matrices does so with
+    tensor-core MMAs (HGMMA), and state_passing's walk and chunk_state's kernels spill nothing.
+    Its MMAs take operands in the inputs' dtype; fp32 operands compile to CUDA-core FMUL/FADD,
+    which is what chunk_state's kernels did before they rounded dS."""
+    mma = {"chunk_scan_backward_columns_kernel", "chunk_scan_backward_rows_kernel",
+           "state_passing_backward_kernel", "chunk_state_backward_dx_kernel",
+           "chunk_state_backward_dB_kernel"}
+    seen = set()
+    for record in aot.capture_backward("bfloat16", "all", dprev_in_walk=True):
+        name = record.kernel._pyfunc.__name__
+        if name not in mma:
+            continue
+        cubin = aot.export_cubin(record, "sm_90")
+        assert re.search(r"\bHGMMA\.\S+\.BF16\b", aot.sass(cubin)), name
+        if not name.startswith("chunk_scan"):  # chunk_scan's spill until their tiles are tuned
+            assert aot.resource_usage(cubin)["stack_bytes"] == 0, name
+        seen.add(name)
+    assert seen == mma

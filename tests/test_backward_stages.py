@@ -75,7 +75,7 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     monkeypatch.setattr(api, "mamba_chunk_scan_combined", forward)
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
-                     reps=3, state_tiles=[(64, 32, 32), (16, 8, 8)])
+                     reps=3, state_tiles=[(64, 32, 32), (16, 8, 8)], passing_tiles=[(8, 8)])
     assert chosen == [True, False]  # dprev_states formed in the walk, then by the states kernel
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
     assert {r["dprev"] for r in sweep} == {"walk"}  # the sweep takes the first placement
@@ -85,7 +85,10 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     state = [r for r in payload["records"] if r["what"] == "chunk_state (sweep)"]
     assert [(r["block_s"], r["block_p"], r["block_n"], r["default"]) for r in state] == [
         (64, 32, 32, True), (16, 8, 8, False)]  # at the first placement only
+    passing = [r for r in payload["records"] if r["what"] == "state_passing (sweep)"]
+    assert [(r["block_p"], r["block_n"], r["default"]) for r in passing] == [(8, 8, False)]
     assert "chunk_state's backward by" in BS.table(payload)
+    assert "state_passing's backward by" in BS.table(payload)
     for dprev in ("walk", "kernel"):
         assert {r["what"] for r in payload["records"] if r["dprev"] == dprev} >= {
             *BS.STAGES, "forward", "forward+backward"}
@@ -118,7 +121,9 @@ def test_breakdown_adds_up_and_the_table_marks_the_default():
                                          (["--dprev", "both"], r"--dprev: \['both'\]"),
                                          (["--state-tiles", "64x32"],
                                           r"--state-tiles: \[\(64, 32\)"),
-                                         (["--state-tiles", "64xax32"], "not SxPxN")])
+                                         (["--state-tiles", "64xax32"], "not NxNxN"),
+                                         (["--passing-tiles", "64x48"],
+                                          r"--passing-tiles: \[\(64, 48\)\] not 2")])
 def test_bad_arguments_are_refused_by_name(argv, match, capsys):
     with pytest.raises(SystemExit):
         BS.main(argv)

@@ -5,8 +5,8 @@ chunk_cumsum) against its specification, the PyTorch ``<stage>_backward_torch`` 
 ``ssd.backward``, computed in float64 from exactly the same values: the inputs rounded to the
 dtype under test (x, B, dt, the saved entering states) and fp32 where the forward leaves fp32
 (dt_out, dA_cumsum, A, dt_bias), the forward intermediates from the float64 reference of those
-inputs, and fresh N(0, 1) fp32 upstream gradients (a new seed per run, printed on failure;
-``SSD_TEST_SEED`` replays one). The outputs are the kernels' own ``torch.empty`` buffers,
+inputs, and fresh N(0, 1) upstream gradients, fp32 but for dstates, which the backward stores
+in the input dtype (a new seed per run, printed on failure; ``SSD_TEST_SEED`` replays one). The outputs are the kernels' own ``torch.empty`` buffers,
 NaN-poisoned (``ssd.validate.poisoned_memory``), so an element no kernel writes fails. Each
 result must have the torch function's keys, shapes and dtypes.
 
@@ -46,11 +46,13 @@ STAGE_TOL = {
     # fp16 likewise: rounded alike on both sides, fp32 arithmetic
     "float16": 2e-5,
 }
-#: Stages whose MMAs take operands in the input dtype: chunk_state's backward rounds dS and w x
-#: once to it (tensor-core MMAs; fp32 operands run on CUDA cores), as chunk_scan's backward
-#: rounds its weights. In bf16 and fp16 their outputs take the gradients' bound
-#: (``ssd.validate.GRAD_TOL``: each operand rounded once, fp32 accumulation); in fp32 nothing
-#: is rounded and STAGE_TOL holds.
+#: Stages whose MMAs take operands in the input dtype: chunk_state's backward reads dS in it (the
+#: backward stores it so, and so does :func:`stage_problem`) and rounds w x once to it
+#: (tensor-core MMAs; fp32 operands run on CUDA cores), as chunk_scan's backward rounds its
+#: weights. In bf16 and fp16 their outputs take the gradients' bound (``ssd.validate.GRAD_TOL``:
+#: an operand rounded once, fp32 accumulation); in fp32 nothing is rounded and STAGE_TOL holds.
+#: (With dS rounded by the kernel alone, a float64 reference of the fp32 dS saw ddt_out elements
+#: that cancel within their sum miss the element bound 5x in bf16, in a NumPy simulation.)
 ROUNDING_STAGES = ("chunk_state",)
 #: Every element within this many STAGE_TOL of max(|ref|, the reference's RMS): a sum's
 #: rounding is a few ulp of its terms' scale, a wrong or unwritten tile is off by its own size.
@@ -98,6 +100,9 @@ def stage_problem(spec, seed, dtype, state_dtype=None):
                   dstates=ref["states"].shape, ddt_out=ref["dt_out"].shape,
                   ddA_cumsum=ref["dA_cumsum"].shape)
     upstream = {k: cuda(rng.standard_normal(s), torch.float32) for k, s in shapes.items()}
+    # dstates in the input dtype, as the backward stores it (state_passing's dstates_dtype): both
+    # sides then read the same rounded values
+    upstream["dstates"] = upstream["dstates"].to(getattr(torch, dtype))
     return inputs, forward, upstream
 
 

@@ -211,3 +211,11 @@ def test_unformed_dprev_states_are_checked_by_name(dy, C, name):
     args, kw = stage_arguments()["state_passing"]
     with launch.capture(), pytest.raises(ValueError, match=f"^{name}: "):
         TB.cutile_backwards().state_passing(*entering(args, dy, C), **kw)
+
+
+def test_the_torch_walk_refuses_an_unformed_dprev_states():
+    """Only the cuTile walk forms an EnteringGradient: the torch one says so instead of failing
+    on an attribute."""
+    args, kw = stage_arguments()["state_passing"]
+    with pytest.raises(TypeError, match="^dprev_states: an EnteringGradient"):
+        TB.TORCH_BACKWARDS.state_passing(*entering(args), **kw)

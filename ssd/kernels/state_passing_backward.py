@@ -26,7 +26,7 @@ dprev_states, the gradient chunk_scan sends to the entering states, is a chunk_s
 (dy, C) with decays from each chunk's start. It comes as a tensor, or unformed
 (``ssd.backward.EnteringGradient``: chunk_scan's dy and C): then the walk forms each chunk's
 slice itself where it adds it to R (``FORM_DPREV``, :func:`ssd.kernels.tiles.entering_gradient`),
-one MMA a chunk, and the (b, c, h, p, n) fp32 tensor is never written nor read back.
+one MMA (a K loop) a chunk, and the (b, c, h, p, n) fp32 tensor is never written nor read back.
 """
 import functools
 
@@ -165,9 +165,10 @@ def state_passing_backward_cutile(dprev_states, prev_states, dA_cumsum, initial_
         dstates_dtype: dstates' dtype (None: that of the results below); the walk rounds R once
             as it stores it.
     Returns:
-        dict with dstates (b, c, h, p, n), ddA_cumsum (b, h, c, q) (non-zero in the last
-        column only) and, with initial_states, dinitial_states (b, h, p, n); in dprev_states'
-        dtype (fp32 where the walk forms it), computed in fp32.
+        dict with dstates (b, c, h, p, n; in dstates_dtype where given), ddA_cumsum
+        (b, h, c, q) (non-zero in the last column only) and, with initial_states,
+        dinitial_states (b, h, p, n); in dprev_states' dtype (fp32 where the walk forms it),
+        computed in fp32.
     Raises:
         ValueError naming an argument of the wrong shape or dtype.
     """

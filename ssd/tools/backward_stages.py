@@ -13,8 +13,9 @@ kept (:func:`stage_calls`), then times each stage's backward alone on exactly th
 fields (the others at their defaults; head splits that do not divide a shape's heads per group
 are skipped), the defaults' point marked: the knobs that trade blocks for a buffer
 (``head_splits``) and registers for spills (tiles and warps; ``ScanBackwardConfig``'s docstring
-says which spill). ``--state-tiles`` times ``chunk_state``'s backward at each given tiling, and
-``--dprev`` says where dprev_states forms (both places by default).
+says which spill). ``--state-tiles`` and ``--passing-tiles`` time ``chunk_state``'s and
+``state_passing``'s backward at each given tiling, and ``--dprev`` says where dprev_states
+forms (both places by default).
 
 Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
 removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
@@ -112,6 +113,8 @@ def timed(fn, reps) -> dict:
 SWEPT = ("head_splits", "block_q", "rows_block_q", "warps")
 #: The fields of StateBackwardConfig chunk_state's sweep sets (--state-tiles SxPxN).
 STATE_SWEPT = ("block_s", "block_p", "block_n")
+#: The fields of PassingBackwardConfig state_passing's sweep sets (--passing-tiles PxN).
+PASSING_SWEPT = ("block_p", "block_n")
 
 
 def where_dprev_forms(in_walk: bool) -> StageBackwards:
@@ -127,20 +130,21 @@ def where_dprev_forms(in_walk: bool) -> StageBackwards:
 
 
 def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"),
-        state_tiles=()) -> dict:
+        state_tiles=(), passing_tiles=()) -> dict:
     """Time every stage's backward, the forward and the forward + backward of each shape at each
     chunk size with dprev_states formed where each of ``dprev`` says ("walk": in state_passing's
     walk, "kernel": by chunk_scan's states kernel), chunk_scan's at every combination of
-    ``sweep`` ({field of :data:`SWEPT`: values}) and chunk_state's at each of ``state_tiles``
-    ((block_s, block_p, block_n) of StateBackwardConfig), both sweeps at dprev's first; return
-    the payload (records, settings)."""
+    ``sweep`` ({field of :data:`SWEPT`: values}), chunk_state's at each of ``state_tiles``
+    ((block_s, block_p, block_n) of StateBackwardConfig) and state_passing's at each of
+    ``passing_tiles`` ((block_p, block_n) of PassingBackwardConfig: its walk's state slices), the
+    sweeps at dprev's first; return the payload (records, settings)."""
     import dataclasses
     import itertools
 
     import torch
 
     from .. import api
-    from ..config import ScanBackwardConfig, StateBackwardConfig
+    from ..config import PassingBackwardConfig, ScanBackwardConfig, StateBackwardConfig
     from .backward_bench import LEAVES, inference, leaves_of, training_step, upstream
     from .bench import make_inputs
 
@@ -163,12 +167,15 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"),
             stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
             records.append(dict(where, what="chunk_scan (sweep)", **dict(zip(SWEPT, point)),
                                 default=config == base, **stats))
-        fn, args, kwargs = calls["chunk_state"]
-        for tiles in state_tiles if where_dprev == dprev[0] else ():
-            config = StateBackwardConfig(**dict(zip(STATE_SWEPT, tiles)))
-            stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
-            records.append(dict(where, what="chunk_state (sweep)", **dict(zip(STATE_SWEPT, tiles)),
-                                default=config == StateBackwardConfig(), **stats))
+        for stage, cls, fields, points in (
+                ("chunk_state", StateBackwardConfig, STATE_SWEPT, state_tiles),
+                ("state_passing", PassingBackwardConfig, PASSING_SWEPT, passing_tiles)):
+            fn, args, kwargs = calls[stage]
+            for tiles in points if where_dprev == dprev[0] else ():
+                config = cls(**dict(zip(fields, tiles)))
+                stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
+                records.append(dict(where, what=f"{stage} (sweep)", **dict(zip(fields, tiles)),
+                                    default=config == cls(), **stats))
         leaves = leaves_of(make_inputs(shape))
         x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
 
@@ -185,7 +192,8 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"),
                     l2="flushed", flush_bytes=512 * 2**20, timer="CUDA events",
                     statistic="median", dtype="bfloat16", chunks=list(chunks), dprev=list(dprev),
                     sweep={k: list(v) for k, v in (sweep or {}).items()},
-                    state_tiles=[list(t) for t in state_tiles])
+                    state_tiles=[list(t) for t in state_tiles],
+                    passing_tiles=[list(t) for t in passing_tiles])
     return dict(records=records, settings=settings)
 
 
@@ -229,11 +237,12 @@ def table(payload) -> str:
             point = " ".join(f"{str(r[k]):>5s}" for k in SWEPT)
             lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {point}"
                          f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
-    state = [r for r in payload["records"] if r["what"] == "chunk_state (sweep)"]
-    if state:
-        lines.append("chunk_state's backward by " + ", ".join(STATE_SWEPT) + " (* the defaults)")
-        for r in state:
-            point = " ".join(f"{r[k]:>5d}" for k in STATE_SWEPT)
+    for stage, fields in (("chunk_state", STATE_SWEPT), ("state_passing", PASSING_SWEPT)):
+        rows = [r for r in payload["records"] if r["what"] == f"{stage} (sweep)"]
+        if rows:
+            lines.append(f"{stage}'s backward by " + ", ".join(fields) + " (* the defaults)")
+        for r in rows:
+            point = " ".join(f"{r[k]:>5d}" for k in fields)
             lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {point}"
                          f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
     return "\n".join(lines)
@@ -263,6 +272,9 @@ def main(argv=None) -> int:
     parser.add_argument("--state-tiles", default="",
                         help="chunk_state's backward also at these block_s x block_p x block_n, "
                              "e.g. 64x32x32,64x64x64")
+    parser.add_argument("--passing-tiles", default="",
+                        help="state_passing's backward also at these block_p x block_n, e.g. "
+                             "32x64,64x128")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="output JSON (default _build/backward_stages/<gpu>.json)")
     args = parser.parse_args(argv)
@@ -284,20 +296,25 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')}: {bad} not powers of two of at least 8")
     if bad := [v for v in sweep["warps"] if v not in (4, 8)]:
         parser.error(f"--warps: {bad} not 4 or 8")
-    try:
-        state_tiles = [tuple(int(v) for v in t.split("x")) for t in args.state_tiles.split(",")
-                       if t]
-    except ValueError:
-        parser.error(f"--state-tiles: {args.state_tiles!r} is not SxPxN,... (integers)")
-    if bad := [t for t in state_tiles if len(t) != 3 or any(v < 8 or v & (v - 1) for v in t)]:
-        parser.error(f"--state-tiles: {bad} not three powers of two of at least 8")
+    tiles = {}
+    for flag, size in (("state_tiles", 3), ("passing_tiles", 2)):
+        option = "--" + flag.replace("_", "-")
+        try:
+            tiles[flag] = [tuple(int(v) for v in t.split("x"))
+                           for t in getattr(args, flag).split(",") if t]
+        except ValueError:
+            parser.error(f"{option}: {getattr(args, flag)!r} is not {'x'.join('N' * size)},... "
+                         "(integers)")
+        if bad := [t for t in tiles[flag]
+                   if len(t) != size or any(v < 8 or v & (v - 1) for v in t)]:
+            parser.error(f"{option}: {bad} not {size} powers of two of at least 8")
     dprev = tuple(args.dprev.split(","))
     if bad := [d for d in dprev if d not in ("walk", "kernel")]:
         parser.error(f"--dprev: {bad} not walk or kernel")
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
     payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps, dprev,
-                       state_tiles), environment=env)
+                       tiles["state_tiles"], tiles["passing_tiles"]), environment=env)
     out = args.out or ROOT / "_build" / "backward_stages" / f"{gpu_slug(env['gpu'])}.json"
     write_json(out, payload)
     print(table(payload))
