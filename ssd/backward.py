@@ -555,28 +555,25 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     # dy through the gate: dy silu(z) before the kernels, dz from the output before the gate
     # (the SSM part the rows kernel rebuilds, plus D x) after them
     config = config or ScanBackwardConfig()
-
-    def entering(out, dy_ssm):  # dprev_states unformed (None) where state_passing's walk forms it
-        if out["dprev_states"] is None:
-            out["dprev_states"] = EnteringGradient(dy_ssm, C, seq_last)
-        return out
-
     if z is None:
-        return entering(chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
-                                            seq_last, config, D=D), dy)
-    dy = dy.to(f)
-    zf, sig = _gate(z, f)
-    dy_ssm = dy * zf * sig
-    del zf, sig  # formed again after the kernels: two fp32 (b, l, h, p) tensors not held across
-    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
-                              seq_last, config, rebuild_y=True, D=D)
-    # the walk reads dy_ssm in the MMA's dtype, as the states kernel does: kept at that width
-    out = entering(out, dy_ssm.to(C.dtype) if config.dprev_in_walk else None)
-    del dy_ssm
-    y_pre = out.pop("y_ssm")
-    if D is not None:
-        y_pre += _skip(D, f) * x
-    out["dz"] = _gate_grad(dy, y_pre, _gate(z, f))
+        out = chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
+                                  config, D=D)
+        dy_ssm = dy  # the caller holds it anyway: the walk reads it as it is
+    else:
+        dy = dy.to(f)
+        zf, sig = _gate(z, f)
+        dy_ssm = dy * zf * sig
+        del zf, sig  # formed again after the kernels: two fp32 (b, l, h, p) tensors not held
+        out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
+                                  seq_last, config, rebuild_y=True, D=D)
+        # a temporary: kept for the walk only, in the MMA's dtype the walk reads it in
+        dy_ssm = dy_ssm.to(C.dtype) if out["dprev_states"] is None else None
+        y_pre = out.pop("y_ssm")
+        if D is not None:
+            y_pre += _skip(D, f) * x
+        out["dz"] = _gate_grad(dy, y_pre, _gate(z, f))
+    if out["dprev_states"] is None:  # unformed: state_passing's walk forms it from (dy, C)
+        out["dprev_states"] = EnteringGradient(dy_ssm, C, seq_last)
     return out
 
 
