@@ -3,8 +3,8 @@
 One :class:`SSDConfig` travels from the public API to every stage launcher. Defaults come
 from :func:`default_config`, which picks per GPU architecture:
 
-* ``sm_90`` (Hopper, H100/H200): measured on an H200 (see the Performance chapters, 09 and 10; the
-  numbers behind each choice are in ``results/h200/``).
+* ``sm_90`` (Hopper, H100/H200): tuned on an H200 and recorded on an H100 (see the Performance
+  chapters, 09 and 10; the numbers behind each choice are in ``results/h100/``).
 * ``sm_100`` / ``sm_120`` (Blackwell) and ``sm_80`` (Ampere): the same tiles, **not measured**;
   they compile (CI exports every kernel for sm_80/sm_90/sm_100) but were never timed.
 

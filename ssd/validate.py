@@ -22,7 +22,7 @@ Norm tolerances (per input dtype), and why:
 
 * float32: cuTile runs fp32 MMAs in full fp32 (not TF32: measured errors are ~2e-6). The
   error is then set by exp2 / log approximations and fp32 accumulation over a chunk
-  (u = 6e-8, a few hundred terms): 2e-5 is 10x the worst error seen on the H200 and still
+  (u = 6e-8, a few hundred terms): 2e-5 is 10x the worst error the GPU tests record and still
   10,000x below what a wrong mask, decay or missing term gives (1e-1 .. 1).
 * float16: inputs and the MMA operands built on chip (decay-weighted C·Bᵀ, scaled B) are
   rounded to fp16 (u = 2^-11 ≈ 4.9e-4), accumulated in fp32; a norm-wise error of about

@@ -445,9 +445,10 @@ def test_tilegym_table_keeps_what_a_searched_run_chose_and_replay_reads_it(tmp_p
 
 
 def test_the_book_replays_tilegym_tuned_on_every_models_shape():
-    """results/tilegym_tuned.json holds the H200's tuning of every models shape."""
-    for shape in bench.SUITES["models"]:
-        assert bench.tilegym_replay_source("h200", shape.name)["configs"]
+    """results/tilegym_tuned.json holds the H100's and the H200's tuning of every models shape."""
+    for gpu in ("h100", "h200"):
+        for shape in bench.SUITES["models"]:
+            assert bench.tilegym_replay_source(gpu, shape.name)["configs"]
 
 
 def test_first_call_shapes_reach_both_last_chunks():
