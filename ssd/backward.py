@@ -509,7 +509,7 @@ class EnteringGradient(NamedTuple):
 
 
 def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None,
-                               seq_idx=None, *, config=None):
+                               seq_idx=None, *, config=None, walk=None, dx_dtype=None):
     """The backward of stage 4 with the cuTile kernels: ``chunk_scan_backward_torch``'s
     arguments and result (its docstring), on a GPU.
 
@@ -525,6 +525,12 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
         dt_out, dA_cumsum: (b, h, c, q) fp32; prev_states: (b, c, h, p, n) fp32, bf16 or fp16;
             D: optional (h,) or (h, p); seq_idx: optional (b, l) int32 or int64.
         config: the kernels' tiles (None: :class:`ssd.config.ScanBackwardConfig`'s defaults).
+        walk: state_passing's backward as a function of dprev_states alone (its other arguments
+            bound): given, chunk_state's backward is folded into the kernels. The walk runs
+            first, on the :class:`EnteringGradient` (dy after the gate, C), and the kernels take
+            its dstates (:func:`ssd.kernels.chunk_scan_backward.fold_state`); its result is
+            returned under "passing", and dx, dB, ddt_out and ddA_cumsum hold chunk_state's parts.
+        dx_dtype: dx's dtype where it is final (with ``walk``; None: the compute dtype).
     Returns:
         dict with dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
         (b, h, c, q), dprev_states (b, c, h, p, n; an :class:`EnteringGradient` where
@@ -555,24 +561,33 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     # dy through the gate: dy silu(z) before the kernels, dz from the output before the gate
     # (the SSM part the rows kernel rebuilds, plus D x) after them
     config = config or ScanBackwardConfig()
-    if z is None:
-        out = chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
-                                  config, D=D)
-        dy_ssm = dy  # the caller holds it anyway: the walk reads it as it is
-    else:
+    if walk is not None and not config.dprev_in_walk:
+        raise ValueError("walk: chunk_state's backward folds into chunk_scan's only where "
+                         "state_passing's walk forms dprev_states (config.dprev_in_walk)")
+    dy_ssm = dy  # without z the caller holds it anyway: the walk reads it as it is
+    if z is not None:
         dy = dy.to(f)
         zf, sig = _gate(z, f)
         dy_ssm = dy * zf * sig
         del zf, sig  # formed again after the kernels: two fp32 (b, l, h, p) tensors not held
-        out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx,
-                                  seq_last, config, rebuild_y=True, D=D)
+    passing = None
+    if walk is not None:  # the walk first: the kernels read the state gradient it forms
+        passing = walk(EnteringGradient(dy_ssm if z is None else dy_ssm.to(C.dtype), C, seq_last))
+    out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
+                              config, rebuild_y=z is not None, D=D,
+                              dstates=None if passing is None else passing["dstates"],
+                              dx_dtype=dx_dtype if passing is not None else None)
+    if z is not None:
         # a temporary: kept for the walk only, in the MMA's dtype the walk reads it in
-        dy_ssm = dy_ssm.to(C.dtype) if out["dprev_states"] is None else None
+        dy_ssm = dy_ssm.to(C.dtype) if out["dprev_states"] is None and passing is None else None
         y_pre = out.pop("y_ssm")
         if D is not None:
             y_pre += _skip(D, f) * x
         out["dz"] = _gate_grad(dy, y_pre, _gate(z, f))
-    if out["dprev_states"] is None:  # unformed: state_passing's walk forms it from (dy, C)
+    if passing is not None:
+        del out["dprev_states"]  # formed and consumed in the walk
+        out["passing"] = passing
+    elif out["dprev_states"] is None:  # unformed: state_passing's walk forms it from (dy, C)
         out["dprev_states"] = EnteringGradient(dy_ssm, C, seq_last)
     return out
 
@@ -584,12 +599,16 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
 
 class StageBackwards(NamedTuple):
     """One implementation of each stage's backward, each with the arguments and result of its
-    ``*_backward_torch`` function: the table :func:`ssd_chunked_backward` composes."""
+    ``*_backward_torch`` function: the table :func:`ssd_chunked_backward` composes. ``fold``,
+    where not None, takes the place of ``chunk_scan`` and ``chunk_state``: chunk_scan's
+    arguments plus ``walk`` and ``dx_dtype``, as :func:`chunk_scan_backward_cutile` takes them to
+    fold chunk_state's backward into its kernels."""
 
     chunk_scan: Callable
     state_passing: Callable
     chunk_state: Callable
     chunk_cumsum: Callable
+    fold: Callable | None = None
 
 
 #: Every stage in PyTorch: the CPU's, float64's, and the path to compare the kernels with.
@@ -597,15 +616,17 @@ TORCH_BACKWARDS = StageBackwards(chunk_scan_backward_torch, state_passing_backwa
                                  chunk_state_backward_torch, chunk_cumsum_backward_torch)
 
 
-def cutile_backwards() -> StageBackwards:
-    """Every stage's cuTile kernels (``ssd.kernels.<stage>_backward``). Imported on call: the
-    CPU path needs no cuTile."""
+def cutile_backwards(fold: bool = False) -> StageBackwards:
+    """Every stage's cuTile kernels (``ssd.kernels.<stage>_backward``); ``fold``: chunk_state's
+    backward folded into chunk_scan's kernels (:attr:`StageBackwards.fold`). Imported on call:
+    the CPU path needs no cuTile."""
     from .kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
     from .kernels.chunk_state_backward import chunk_state_backward_cutile
     from .kernels.state_passing_backward import state_passing_backward_cutile
 
     return StageBackwards(chunk_scan_backward_cutile, state_passing_backward_cutile,
-                          chunk_state_backward_cutile, chunk_cumsum_backward_cutile)
+                          chunk_state_backward_cutile, chunk_cumsum_backward_cutile,
+                          chunk_scan_backward_cutile if fold else None)
 
 
 def default_backwards(x: torch.Tensor) -> StageBackwards:
@@ -655,24 +676,35 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
         states = chunk_state_torch(B, x, dt_out, dA_cumsum.to(f), seq_idx)
         prev_states, _ = state_passing_torch(states, dA_cumsum.to(f), initial_states, seq_idx)
         del states
-    # 4. chunk_scan: the outputs' gradients reach x, B, C, D, z, dt', dA_cumsum and the
-    #    entering states
-    scan = stage.chunk_scan(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
-    # 3. state_passing: back over the chunks, from the final state's gradient
-    passing = stage.state_passing(scan.pop("dprev_states"), prev_states, dA_cumsum,
-                                  initial_states, seq_idx, dfinal_states=dfinal_states,
-                                  dstates_dtype=x.dtype)  # what chunk_state's MMAs read
-    # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum; its kernel
-    #    adds chunk_scan's dx and writes the sum in dx_dtype (no sum pass, no cast pass)
-    state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx,
-                              dx_prior=scan.pop("dx"), dx_dtype=dx_dtype)
+    def walk(dprev_states):  # 3. state_passing: back over the chunks, from dfinal_states
+        return stage.state_passing(dprev_states, prev_states, dA_cumsum, initial_states, seq_idx,
+                                   dfinal_states=dfinal_states,
+                                   dstates_dtype=x.dtype)  # what chunk_state's MMAs read
+
+    if stage.fold is not None:  # 4, 3 and 2 in one call: the walk, then both stages' kernels
+        scan = stage.fold(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx, walk=walk,
+                          dx_dtype=dx_dtype)
+        passing = scan.pop("passing")
+        state = scan  # chunk_state's parts are in chunk_scan's gradients
+        ddt_out, ddA_cumsum = scan["ddt_out"], scan["ddA_cumsum"] + passing["ddA_cumsum"]
+        dB = scan["dB"]
+    else:
+        # 4. chunk_scan: the outputs' gradients reach x, B, C, D, z, dt', dA_cumsum and the
+        #    entering states
+        scan = stage.chunk_scan(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
+        passing = walk(scan.pop("dprev_states"))
+        # 2. chunk_state: each chunk's state gradient reaches its x, B, dt' and dA_cumsum; its
+        #    kernel adds chunk_scan's dx and writes the sum in dx_dtype (no sum, no cast pass)
+        state = stage.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx,
+                                  dx_prior=scan.pop("dx"), dx_dtype=dx_dtype)
+        ddt_out = scan["ddt_out"] + state["ddt_out"]
+        ddA_cumsum = scan["ddA_cumsum"] + passing["ddA_cumsum"] + state["ddA_cumsum"]
+        dB = scan["dB"] + state["dB"]
     # 1. chunk_cumsum: every stage's dt' and dA_cumsum gradients, back to dt, A, dt_bias
-    cumsum = stage.chunk_cumsum(
-        scan["ddt_out"] + state["ddt_out"],
-        scan["ddA_cumsum"] + passing["ddA_cumsum"] + state["ddA_cumsum"],
-        dt, A, chunk_size, dt_bias, dt_softplus, dt_limit, dt_out=dt_out)
-    out = {"dx": state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"],
-           "dB": scan["dB"] + state["dB"], "dC": scan["dC"]}
+    cumsum = stage.chunk_cumsum(ddt_out, ddA_cumsum, dt, A, chunk_size, dt_bias, dt_softplus,
+                                dt_limit, dt_out=dt_out)
+    out = {"dx": state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"], "dB": dB,
+           "dC": scan["dC"]}
     for key, value in (("dD", scan.get("dD")), ("dz", scan.get("dz")),
                        ("ddt_bias", cumsum.get("ddt_bias")),
                        ("dinitial_states", passing.get("dinitial_states"))):

@@ -592,7 +592,8 @@ def test_layer_kernels_do_not_spill(features):
 
 
 def test_backward_mmas_run_on_tensor_cores():
-    """The default backward in bf16 on sm_90: every kernel that multiplies matrices does so with
+    """The default backward in bf16 on sm_90, and the one with chunk_state's folded into
+    chunk_scan's kernels: every kernel that multiplies matrices does so with
     tensor-core MMAs (HGMMA), and state_passing's walk and chunk_state's kernels spill nothing.
     Its MMAs take operands in the inputs' dtype; fp32 operands compile to CUDA-core FMUL/FADD,
     which is what chunk_state's kernels did before they rounded dS."""
@@ -600,7 +601,7 @@ def test_backward_mmas_run_on_tensor_cores():
            "state_passing_backward_kernel", "chunk_state_backward_dx_kernel",
            "chunk_state_backward_dB_kernel"}
     seen = set()
-    for record in aot.capture_backward("bfloat16", "all", dprev_in_walk=True):
+    for record in aot.capture_backward("bfloat16", "all", dprev_in_walk=True, fold=None):
         name = record.kernel._pyfunc.__name__
         if name not in mma:
             continue

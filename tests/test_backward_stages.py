@@ -23,7 +23,7 @@ def test_stage_calls_keep_what_each_stage_was_given():
     forward = functools.partial(autograd.chunk_scan_combined, stages=autograd.torch_stages)
     calls = BS.stage_calls(SMALL, 16, dtype="float32", device="cpu", forward=forward,
                            backwards=TORCH_BACKWARDS)
-    assert list(calls) == list(BS.STAGES)  # the order the backward runs them
+    assert list(calls) == list(BS.STAGES[:-1])  # the order the backward runs them
     fn, args, kwargs = calls["chunk_scan"]
     assert fn is TORCH_BACKWARDS.chunk_scan
     dy, B, C, x = args[:4]
@@ -32,6 +32,26 @@ def test_stage_calls_keep_what_each_stage_was_given():
     first = TORCH_BACKWARDS.chunk_scan(*args, **kwargs)
     assert all(torch.equal(again[k], first[k]) for k in first)
     assert calls["state_passing"][1][0].shape == (2, 3, 4, 8, 8)  # dprev_states (b, c, h, p, n)
+
+
+def torch_fold(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx, *, walk, dx_dtype):
+    """StageBackwards.fold's contract from the torch stages: the walk inside, chunk_state's
+    parts added to chunk_scan's."""
+    scan = TORCH_BACKWARDS.chunk_scan(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx)
+    passing = walk(scan.pop("dprev_states"))
+    state = TORCH_BACKWARDS.chunk_state(passing["dstates"], B, x, dt_out, dA_cumsum, seq_idx)
+    for k in ("dB", "ddt_out", "ddA_cumsum"):
+        scan[k] = scan[k] + state[k]
+    return dict(scan, dx=(scan["dx"] + state["dx"]).to(dx_dtype or x.dtype), passing=passing)
+
+
+def test_stage_calls_keep_the_folded_call_in_place_of_two_stages():
+    forward = functools.partial(autograd.chunk_scan_combined, stages=autograd.torch_stages)
+    calls = BS.stage_calls(SMALL, 16, dtype="float32", device="cpu", forward=forward,
+                           backwards=TORCH_BACKWARDS._replace(fold=torch_fold))
+    assert list(calls) == ["fold", "state_passing", "chunk_cumsum"]  # the walk runs inside fold
+    fn, args, kwargs = calls["fold"]
+    assert set(kwargs) == {"walk", "dx_dtype"} and fn(*args, **kwargs)["passing"]
 
 
 def test_a_stage_never_called_is_an_error():
@@ -67,7 +87,7 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
         k: (without_grad(fn), a, kw) for k, (fn, a, kw) in STAGE_CALLS(
             shape, q, "float32", "cpu", forward, TORCH_BACKWARDS).items()})
     chosen = []
-    monkeypatch.setattr(BS, "where_dprev_forms", lambda in_walk: chosen.append(in_walk) or
+    monkeypatch.setattr(BS, "where_dprev_forms", lambda where: chosen.append(where) or
                         TORCH_BACKWARDS)
     monkeypatch.setattr(BS, "timed", lambda fn, reps: fn() is None or dict(median_ms=1.0,
                                                                           mode="graph"))
@@ -76,7 +96,8 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
                      reps=3, state_tiles=[(64, 32, 32), (16, 8, 8)], passing_tiles=[(8, 8)])
-    assert chosen == [True, False]  # dprev_states formed in the walk, then by the states kernel
+    assert chosen == ["walk", "kernel", "fold"]  # dprev_states formed in the walk, by the states
+    # kernel, in the walk with chunk_state folded into chunk_scan
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
     assert {r["dprev"] for r in sweep} == {"walk"}  # the sweep takes the first placement
     assert sorted((r["head_splits"], r["warps"]) for r in sweep) == [(1, 4), (1, 8), (2, 4),
@@ -89,9 +110,9 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     assert [(r["block_p"], r["block_n"], r["default"]) for r in passing] == [(8, 8, False)]
     assert "chunk_state's backward by" in BS.table(payload)
     assert "state_passing's backward by" in BS.table(payload)
-    for dprev in ("walk", "kernel"):
+    for dprev in BS.PLACEMENTS:  # the torch table has no fold: its four stages each time
         assert {r["what"] for r in payload["records"] if r["dprev"] == dprev} >= {
-            *BS.STAGES, "forward", "forward+backward"}
+            *BS.STAGES[:-1], "forward", "forward+backward"}
 
 
 def test_breakdown_adds_up_and_the_table_marks_the_default():
@@ -111,6 +132,21 @@ def test_breakdown_adds_up_and_the_table_marks_the_default():
     assert "    1    64  None     8      0.600" in text
 
 
+def test_breakdown_of_the_folded_stages_counts_the_walk_once():
+    """With fold (chunk_scan's and chunk_state's backward in one call that runs the walk
+    inside) the stages' sum is fold + chunk_cumsum; the stages it replaces print as '–'."""
+    where = dict(shape="s", dims=[1], chunk_size=64, dprev="fold")
+    ms = dict(fold=0.9, state_passing=0.1, chunk_cumsum=0.05, forward=0.3,
+              **{"forward+backward": 1.3})
+    records = [dict(where, what=k, median_ms=v, head_splits=4 if k == "fold" else None)
+               for k, v in ms.items()]
+    (row,) = BS.breakdown(records)
+    assert row["stages"] == pytest.approx(0.95) and row["chunk_scan"] is None
+    assert row["between stages"] == pytest.approx(0.05)
+    line = BS.table(dict(records=records, settings=dict(reps=30))).splitlines()[-1]
+    assert line.split()[3:8] == ["4", "–", "0.100", "–", "0.050"]
+
+
 @pytest.mark.parametrize("argv, match", [(["--shapes", "nope"], "--shapes: nope unknown"),
                                          (["--chunks", "48"], r"--chunks: \[48\]"),
                                          (["--head-splits", "0"], r"--head-splits: \[0\]"),
@@ -118,7 +154,8 @@ def test_breakdown_adds_up_and_the_table_marks_the_default():
                                          (["--block-q", "48"], r"--block-q: \[48\]"),
                                          (["--rows-block-q", "4"], r"--rows-block-q: \[4\]"),
                                          (["--warps", "6"], r"--warps: \[6\]"),
-                                         (["--dprev", "both"], r"--dprev: \['both'\]"),
+                                         (["--dprev", "both"],
+                                          r"--dprev: \['both'\] not of walk, kernel, fold"),
                                          (["--state-tiles", "64x32"],
                                           r"--state-tiles: \[\(64, 32\)"),
                                          (["--state-tiles", "64xax32"], "not NxNxN"),

@@ -180,9 +180,24 @@ def test_default_backward_takes_the_kernels():
 
     table = TB.default_backwards(torch.empty(1, device="cuda"))
     assert table == TB.cutile_backwards()
-    assert all(f.__name__.endswith("_backward_cutile") for f in table)
+    assert all(f.__name__.endswith("_backward_cutile") for f in table if f is not None)
     assert TB.default_backwards(torch.empty(1, device="cuda", dtype=torch.float64)) \
         is TB.TORCH_BACKWARDS
+
+
+@pytest.mark.parametrize("dtype", DTYPE_NAMES)
+@pytest.mark.parametrize("name", list(EDGE_SHAPES) + ["model-like-q64", "model-like-q256"])
+def test_chunk_state_folded_into_chunk_scan(name, dtype, gpu_record):
+    """chunk_state's backward folded into chunk_scan's kernels (``cutile_backwards(fold=True)``:
+    the walk first, then both stages' gradients from one pass) meets the same tolerances."""
+    from ssd.backward import cutile_backwards
+
+    spec = EDGE_SHAPES.get(name) or ProblemSpec(
+        2, 1000, 8, 64, 128, 1, chunk_size=int(name.removeprefix("model-like-q")), D="h",
+        dt_bias=True, dt_softplus=True, initial_states=True, z=True, seq_boundaries=(300, 512),
+        name=name)
+    check_backward(spec, dtype, gpu_record, f"fold/{name}", seed_for("fold" + name + dtype),
+                   backwards=cutile_backwards(fold=True))
 
 
 @pytest.mark.parametrize("name", ["all-features", "seq-idx-mid-chunk", "l-less-than-q"])

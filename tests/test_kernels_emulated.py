@@ -330,6 +330,104 @@ def test_chunk_scan_backward_rows_take_their_own_tiles(name, rows, monkeypatch):
                                             rows_block_q=rows), monkeypatch)
 
 
+def folded_backward(name, config, monkeypatch):
+    """chunk_scan's backward with chunk_state's folded into its kernels (``walk`` given) against
+    the float64 stages run one after the other: chunk_scan's, state_passing's from its
+    dprev_states, chunk_state's from that walk's dstates; dx, dB, ddt_out and ddA_cumsum hold
+    both stages' parts, and the walk's result comes back under "passing"."""
+    spec, t, ref, g = problem(name)
+    monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
+    D, z, seq = t.get("D"), t.get("z"), t.get("seq_idx")
+    kw = dict(initial_states=t.get("initial_states"), seq_idx=seq)
+    scan = TB.chunk_scan_backward_torch(
+        g["dy"], t["B"].double(), t["C"].double(), t["x"].double(), ref["dt_out"],
+        ref["dA_cumsum"], ref["prev_states"], None if D is None else D.double(),
+        None if z is None else z.double(), seq)
+    passing = TB.state_passing_backward_torch(scan.pop("dprev_states"), ref["prev_states"],
+                                              ref["dA_cumsum"], **kw,
+                                              dfinal_states=g["dfinal_states"])
+    state = TB.chunk_state_backward_torch(passing["dstates"], t["B"].double(), t["x"].double(),
+                                          ref["dt_out"], ref["dA_cumsum"], seq)
+    for k in ("dx", "dB", "ddt_out", "ddA_cumsum"):
+        scan[k] = scan[k] + state[k]
+
+    def walk(dprev_states):
+        return PASSING.state_passing_backward_cutile(
+            dprev_states, ref["prev_states"].float(), ref["dA_cumsum"].float(), **kw,
+            dfinal_states=g["dfinal_states"].float(), config=SMALL_BACKWARD["passing"])
+
+    got = emulated(TB.chunk_scan_backward_cutile, g["dy"].float(), t["B"], t["C"], t["x"],
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), ref["prev_states"].float(), D,
+                   z, seq, config=config, walk=walk, dx_dtype=torch.float16)
+    assert got["dx"].dtype == torch.float16  # where dx is final: the caller's dtype
+    assert sorted(got) == sorted([*scan, "passing"])
+    for k in scan:
+        close(got[k], scan[k], k, rtol=FP16_RTOL if k == "dx" else RTOL)
+    for k in passing:
+        close(got["passing"][k], passing[k], f"{k} of the walk")
+
+
+@pytest.mark.parametrize("tiles", CONFIGS)
+@pytest.mark.parametrize("name", SHAPES)
+def test_chunk_state_backward_folds_into_chunk_scan_backward(name, tiles, monkeypatch):
+    folded_backward(name, CONFIGS[tiles].get("scan", ScanBackwardConfig()), monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["q128", "ngroups-8", "l-one-q32"])
+def test_chunk_state_backward_folds_at_default_tiles(name, monkeypatch):
+    folded_backward(SCAN_SHAPES[name], ScanBackwardConfig(), monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["l-not-multiple", "full-chunks", "ngroups-2-seq-idx"])
+@pytest.mark.parametrize("rows", [8, 16])
+def test_folded_sum_reaches_the_last_column_through_any_tiling(name, rows, monkeypatch):
+    """chunk_state's sum over a chunk, which its last column takes, gathered from the columns
+    kernel's blocks by the rows kernel's last block, whatever either's tiles; with each head its
+    own block as well."""
+    spec = SHAPES[name]
+    config = dataclasses.replace(SMALL_BACKWARD["scan"], block_q=16 if rows == 8 else 8,
+                                 rows_block_q=rows, head_splits=spec.nheads // spec.ngroups)
+    folded_backward(name, config, monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["all-features", "full-chunks", "l-one"])
+def test_backward_composes_the_folded_stages(name, monkeypatch):
+    """ssd_chunked_backward with StageBackwards.fold: the walk, then chunk_scan's kernels with
+    chunk_state's backward folded in, then chunk_cumsum's; chunk_scan's and chunk_state's own
+    entries are never called. Every gradient against the PyTorch stages' in float64."""
+    spec, t, ref, g = problem(name)
+    monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
+    calls = []
+
+    def spy(stage, fn):
+        def call(*args, **kwargs):
+            calls.append(stage)
+            return fn(*args, **kwargs)
+        return call
+
+    table = TB.StageBackwards(*(spy(k, fn) for k, fn in TB.cutile_backwards(fold=True)._asdict()
+                                .items()))
+    kw = dict(D=t.get("D"), z=t.get("z"), dt_bias=t.get("dt_bias"),
+              initial_states=t.get("initial_states"), seq_idx=t.get("seq_idx"),
+              dt_softplus=spec.dt_softplus, dt_limit=spec.dt_limit)
+    args = [t[k] for k in ("x", "dt", "A", "B", "C")] + [spec.chunk_size]
+    got = emulated(TB.ssd_chunked_backward, g["dy"].float(), *args, **kw,
+                   dfinal_states=g["dfinal_states"].float(), backwards=table)
+    assert calls == ["fold", "state_passing", "chunk_cumsum"]
+    double = {k: v.double() if v is not None and v.is_floating_point() else v
+              for k, v in kw.items() if not isinstance(v, (bool, tuple))}
+    want = TB.ssd_chunked_backward_torch(g["dy"], *[a.double() for a in args[:-1]], args[-1],
+                                         **{**kw, **double}, dfinal_states=g["dfinal_states"])
+    assert list(got) == list(want)
+    for k in want:
+        close(got[k], want[k], k)
+
+
+def test_fold_needs_the_walk_to_form_dprev_states(monkeypatch):
+    with pytest.raises(ValueError, match="walk: chunk_state's backward folds"):
+        folded_backward("full-chunks", ScanBackwardConfig(dprev_in_walk=False), monkeypatch)
+
+
 def test_head_splits_must_divide_the_heads_per_group(monkeypatch):
     with pytest.raises(ValueError, match="head_splits=3 must divide the heads per group"):
         scan_backward("full-chunks", dataclasses.replace(SMALL_BACKWARD["scan"], head_splits=3),

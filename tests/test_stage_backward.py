@@ -21,25 +21,36 @@ from ssd import launch  # noqa: E402
 from ssd.problem import EDGE_SHAPES  # noqa: E402
 
 STAGES = ("state_passing", "chunk_state", "chunk_cumsum")
+#: The four stages every table holds (``fold`` is optional).
+FOUR = ("chunk_scan", "state_passing", "chunk_state", "chunk_cumsum")
 
 
 def test_cpu_default_is_pytorch_and_the_gpu_table_takes_every_kernel():
     assert TB.default_backwards(torch.empty(1)) is TB.TORCH_BACKWARDS
     assert TB.default_backwards(torch.empty(1, dtype=torch.float64)) is TB.TORCH_BACKWARDS
     table = TB.cutile_backwards()
-    for stage in TB.StageBackwards._fields:
+    assert TB.StageBackwards._fields == (*FOUR, "fold")
+    for stage in FOUR:
         assert getattr(table, stage).__name__ == f"{stage}_backward_cutile"
+    assert table.fold is None and TB.TORCH_BACKWARDS.fold is None
+    assert TB.cutile_backwards(fold=True).fold is TB.chunk_scan_backward_cutile
 
 
-@pytest.mark.parametrize("stage", TB.StageBackwards._fields)
+#: The keyword-only parameters a launcher adds to its torch function's: the tiles, and for
+#: chunk_scan the walk and dx's dtype that fold chunk_state's backward in (StageBackwards.fold).
+EXTRA = dict(chunk_scan=("config", "walk", "dx_dtype"))
+
+
+@pytest.mark.parametrize("stage", FOUR)
 def test_kernel_launchers_take_the_torch_functions_arguments(stage):
-    """Same parameters, names, kinds and defaults, plus a keyword-only config (the tiles)."""
+    """Same parameters, names, kinds and defaults, plus keyword-only ones (:data:`EXTRA`)."""
     ours = inspect.signature(getattr(TB.cutile_backwards(), stage)).parameters
     theirs = inspect.signature(getattr(TB.TORCH_BACKWARDS, stage)).parameters
-    assert list(ours)[:-1] == list(theirs) and list(ours)[-1] == "config"
+    extra = EXTRA.get(stage, ("config",))
+    assert list(ours) == [*theirs, *extra]
     for name, param in theirs.items():
         assert (ours[name].kind, ours[name].default) == (param.kind, param.default), name
-    assert ours["config"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extra)
 
 
 def spy_table(calls):
@@ -50,7 +61,8 @@ def spy_table(calls):
             return fn(*args, **kw)
         return stage
 
-    return TB.StageBackwards(*(spy(name, fn) for name, fn in TB.TORCH_BACKWARDS._asdict().items()))
+    return TB.StageBackwards(*(spy(name, fn) for name, fn in TB.TORCH_BACKWARDS._asdict().items()
+                               if fn is not None))
 
 
 def case(name="all-features", seed=40):

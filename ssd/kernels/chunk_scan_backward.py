@@ -59,8 +59,8 @@ import cuda.tile as ct
 
 from ..config import ScanBackwardConfig, head_splits, next_pow2
 from ..launch import array_type, chunk_seq_last, gpu_facts, index_dtype_for, launch, optional
-from .tiles import (ConstBool, ConstInt, LOG2E, ZERO, chunk_row, entering_gradient,
-                    entering_sequence, head_run, rows_of, sequence_ids)
+from .tiles import (ConstBool, ConstInt, LOG2E, ZERO, chunk_end_decay, chunk_row,
+                    entering_gradient, entering_sequence, head_run, rows_of, sequence_ids)
 
 #: The kernels hold a whole head's channels in one tile (and the state's width, up to
 #: ``ssd.api.MAX_DSTATE``).
@@ -102,13 +102,39 @@ def masked_decay(seg, keep):
 # --------------------------------------------------------------------------------------------
 
 
-def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, dx, dB, ddt_out,
-                 ddA_cumsum, dD_parts, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD,
-                 N_PAD, HAS_SEQ, HAS_D):
+def fold_state(dstates, dA_cumsum, ib, ic, ih, js, b_s, x_s, a_s, dt_s, seq_s, seq_end, dxs, db,
+               Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ):
+    """Tile code: chunk_state's backward (:mod:`.chunk_state_backward`) for the positions s of
+    column block ``js``, head ``ih``, added to the column block's gradients: with dS = dstates of
+    the chunk [P, N], w_s = e^{a_last - a_s} dt'_s (0 for an earlier sequence than the chunk's
+    last valid position's) and dSB_s = dS B_s, dx_s += w_s dSB_s, dB_s += w_s dSᵀ x_s,
+    ddt_out[s] += dw_s e^{a_last - a_s} and ddA_cumsum[s] -= dw_s w_s, dw_s = x_s . dSB_s.
+    Returns (dxs, db, ddt, dda, total): the first four with their parts added, ``total`` [1] the
+    block's sum of dw_s w_s, which ddA_cumsum[q-1] takes (the rows kernel adds it there)."""
+    last = chunk_end_decay(dA_cumsum, ib, ih, ic, Q, BLOCK_Q).astype(ct.float32)  # [1]
+    decay = ct.exp2((last - a_s) * LOG2E)  # [S], <= 1: the log-decay only falls along the chunk
+    if HAS_SEQ:
+        decay = ct.where(seq_s == seq_end, decay, 0.0)
+    w = decay * dt_s  # [S]
+    ds = ct.load(dstates, index=(ib, ic, ih, 0, 0), shape=(1, 1, 1, P_PAD, N_PAD),
+                 padding_mode=ZERO).reshape((P_PAD, N_PAD)).astype(x_s.dtype)  # [P, N]
+    dsb = ct.mma(b_s, ct.transpose(ds), ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32))  # [S, P]
+    dw = ct.sum(x_s.astype(ct.float32) * dsb, axis=1)  # [S]
+    # the weight folded into x in fp32, rounded once to the MMA's dtype, as chunk_state's does
+    db = ct.mma((x_s.astype(ct.float32) * w[:, None]).astype(x_s.dtype), ds, db)  # [S, N]
+    dexp = dw * w  # [S], the gradient of the exponent a_last - a_s
+    return (dxs + w[:, None] * dsb, db, dw * decay, -dexp, ct.sum(dexp, axis=0, keepdims=True))
+
+
+def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, dstates, seq_last,
+                 dx, dB, ddt_out, ddA_cumsum, dD_parts, state_total, seqlen, heads_per_group,
+                 head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, HAS_D, FOLD):
     """Tile code: column block ``js`` of chunk ``ic`` (batch row ``ib``) for the run of heads
     ``part`` (:func:`.tiles.head_run`): stores dx [S, P] and ddt_out, ddA_cumsum (its column
     part) [S] per head and dB [S, N] summed over the run's heads, at ``part`` of dB's third
-    axis; HAS_D, dx with the skip's D dy and, per head, the block's part of dD [P]."""
+    axis; HAS_D, dx with the skip's D dy and, per head, the block's part of dD [P]; FOLD, each
+    with chunk_state's backward added (:func:`fold_state`) and the block's sum of dw_s w_s,
+    which belongs to the chunk's last column, stored at ``state_total[ib, ih, ic, js]``."""
     ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     cols = ic * q_tiles + js  # the column block, in BLOCK_Q tiles of the sequence
@@ -121,19 +147,27 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, d
         # its end is undefined for load)
         t_end = ct.cdiv(ct.minimum(Q, seqlen - ic * Q), BLOCK_Q)
         db = ct.zeros((BLOCK_Q, N_PAD), dtype=ct.float32)  # [S, N], the run's heads summed
+        seq_end = ct.zeros((1,), dtype=ct.int32)  # unread without FOLD and HAS_SEQ
+        if FOLD and HAS_SEQ:  # the sequence of the chunk's last valid position: its state's
+            seq_end = ct.load(seq_last, index=(ib, ic), shape=(1, 1)).reshape((1,))
         for ih in range(first, first + heads):
             a_s = chunk_row(dA_cumsum, ib, ih, ic, js, BLOCK_Q)  # [S]
             dt_s = chunk_row(dt_out, ib, ih, ic, js, BLOCK_Q)  # [S]
             x_s = rows_of(x, ib, cols, ih, 0, BLOCK_Q, P_PAD, x.dtype)  # [S, P]
             dxs = ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32)  # [S, P]
+            ddt = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
+            dda = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
+            if FOLD:
+                dxs, db, ddt, dda, total = fold_state(
+                    dstates, dA_cumsum, ib, ic, ih, js, b_s, x_s, a_s, dt_s, seq_s, seq_end, dxs,
+                    db, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ)
+                ct.store(state_total, index=(ib, ih, ic, js), tile=total.reshape((1, 1, 1, 1)))
             if HAS_D:  # the skip y += D x: dx_s += D dy_s, dD += sum_s dy_s x_s
                 dy_s = rows_of(dy, ib, cols, ih, 0, BLOCK_Q, P_PAD, ct.float32)  # [S, P]
                 d = ct.load(D, index=(ih, 0), shape=(1, P_PAD), padding_mode=ZERO)  # [1, P]
-                dxs = dy_s * d
+                dxs = dxs + dy_s * d
                 dd = ct.sum(dy_s * x_s.astype(ct.float32), axis=0)  # [P]
                 ct.store(dD_parts, index=(ib, cols, ih, 0), tile=dd.reshape((1, 1, 1, P_PAD)))
-            ddt = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
-            dda = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
             for it in range(js, t_end):  # rows t >= s: the diagonal tile, then those below it
                 rows = ic * q_tiles + it
                 c_t = rows_of(C, ib, rows, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [T, N]
@@ -157,7 +191,8 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, d
                 dda = dda - ct.sum(dw * w, axis=1)  # [S]
                 dm = dw * decay * dt_s[:, None]  # [S, T] dM of this head
                 db = ct.mma(dm.astype(x.dtype), c_t, db)  # [S, N] += dMᵀ C
-            ct.store(dx, index=(ib, cols, ih, 0), tile=dxs.reshape((1, BLOCK_Q, 1, P_PAD)))
+            ct.store(dx, index=(ib, cols, ih, 0),
+                     tile=dxs.reshape((1, BLOCK_Q, 1, P_PAD)).astype(dx.dtype))
             ct.store(ddt_out, index=(ib, ih, ic, js), tile=ddt.reshape((1, 1, 1, BLOCK_Q)))
             ct.store(ddA_cumsum, index=(ib, ih, ic, js), tile=dda.reshape((1, 1, 1, BLOCK_Q)))
         ct.store(dB, index=(ib, cols, part, 0), tile=db.reshape((1, BLOCK_Q, 1, N_PAD)))
@@ -169,6 +204,9 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, d
             if HAS_D:
                 ct.store(dD_parts, index=(ib, cols, ih, 0),
                          tile=ct.zeros((1, 1, 1, P_PAD), dtype=ct.float32))
+            if FOLD:
+                ct.store(state_total, index=(ib, ih, ic, js),
+                         tile=ct.zeros((1, 1, 1, 1), dtype=ct.float32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,16 +215,20 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, d
 
 
 def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
-              dC, ddA_cumsum, y_ssm, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD,
-              N_PAD, HAS_SEQ, REBUILD_Y):
+              state_total, dC, ddA_cumsum, y_ssm, seqlen, heads_per_group, head_splits, Q,
+              BLOCK_Q, P_PAD, N_PAD, COLUMN_TILES, HAS_SEQ, REBUILD_Y, FOLD):
     """Tile code: row block ``it`` of chunk ``ic`` (batch row ``ib``) for the run of heads
     ``part`` (:func:`.tiles.head_run`): adds the row and entering-state parts of ddA_cumsum [T]
     to the column part stored by ``columns``, per head; stores dC [T, N] summed over the run's
-    heads, at ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. A tile wholly
-    past the sequence end is left alone (``columns`` wrote its ddA_cumsum: zeros)."""
+    heads, at ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. FOLD, the last
+    row block also adds the ``COLUMN_TILES`` column blocks' sums of dw_s w_s (``state_total``) to
+    the chunk's last column. Otherwise a tile wholly past the sequence end is left alone
+    (``columns`` wrote its ddA_cumsum: zeros)."""
     ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     rows = ic * q_tiles + it  # the row block, in BLOCK_Q tiles of the sequence
+    # FOLD: where chunk_state's sum over the chunk goes, the last column (the last row block's)
+    last_col = positions(it, BLOCK_Q) == Q - 1  # [T]
     if ic * Q + it * BLOCK_Q < seqlen:
         c_t = rows_of(C, ib, rows, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [T, N]
         seq_t = ct.zeros((BLOCK_Q,), dtype=ct.int32)  # unread without HAS_SEQ
@@ -239,11 +281,28 @@ def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq
                     y = ct.mma((cb * ldt).astype(x.dtype), x_s, y)  # [T, P] += W x
 
             col = chunk_row(ddA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T] the column part
+            if FOLD:
+                dda = dda + ct.where(last_col, state_sum(state_total, ib, ih, ic, COLUMN_TILES),
+                                     0.0)
             ct.store(ddA_cumsum, index=(ib, ih, ic, it),
                      tile=(col + dda).reshape((1, 1, 1, BLOCK_Q)))
             if REBUILD_Y:
                 ct.store(y_ssm, index=(ib, rows, ih, 0), tile=y.reshape((1, BLOCK_Q, 1, P_PAD)))
         ct.store(dC, index=(ib, rows, part, 0), tile=dc.reshape((1, BLOCK_Q, 1, N_PAD)))
+    else:
+        if FOLD:  # past the end columns stored zeros, but the last column takes chunk_state's sum
+            if it == q_tiles - 1:
+                for ih in range(first, first + heads):
+                    dda = ct.where(last_col, state_sum(state_total, ib, ih, ic, COLUMN_TILES), 0.0)
+                    ct.store(ddA_cumsum, index=(ib, ih, ic, it),
+                             tile=dda.reshape((1, 1, 1, BLOCK_Q)))
+
+
+def state_sum(state_total, ib, ih, ic, COLUMN_TILES):
+    """Tile code: [1] the sum of dw_s w_s over chunk ``ic`` of head ``ih``: its column blocks'
+    parts, added in a fixed order."""
+    parts = ct.load(state_total, index=(ib, ih, ic, 0), shape=(1, 1, 1, COLUMN_TILES))
+    return ct.sum(parts.reshape((COLUMN_TILES,)), axis=0, keepdims=True)
 
 
 # 3. states: dprev_states, a chunk_state of (dy, C) with decays from the chunk's start
@@ -266,11 +325,14 @@ def build_kernels(index_dtype=ct.int32, occupancy=None, warps=None):
         dA_cumsum: Array,   # (b, h, c, q) fp32
         seq_idx: Array,     # (b, l) int32 (ignored unless HAS_SEQ)
         D: Array,           # (h, p) fp32 (ignored unless HAS_D)
-        dx: Array,          # (b, l, h, p) fp32 out
+        dstates: Array,     # (b, c, h, p, n) any float dtype (ignored unless FOLD)
+        seq_last: Array,    # (b, c) int32 (read only with FOLD and HAS_SEQ)
+        dx: Array,          # (b, l, h, p) out, any float dtype
         dB: Array,          # (b, l, g * head_splits, n) fp32 out: each run's sum
         ddt_out: Array,     # (b, h, c, q) fp32 out
         ddA_cumsum: Array,  # (b, h, c, q) fp32 out: the column part
         dD_parts: Array,    # (b, c * q / BLOCK_Q, h, p) fp32 out: dD per column block (HAS_D)
+        state_total: Array,  # (b, h, c, q / BLOCK_Q) fp32 out (FOLD): sum_s dw_s w_s a block
         seqlen: int,
         nchunks: int,
         heads_per_group: int,
@@ -281,12 +343,14 @@ def build_kernels(index_dtype=ct.int32, occupancy=None, warps=None):
         N_PAD: ConstInt,
         HAS_SEQ: ConstBool,
         HAS_D: ConstBool,
+        FOLD: ConstBool,
     ):
         """Grid: (b * c, g * head_splits, q / BLOCK_Q), one column block of one chunk and run
         of heads a block."""
         column_block(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), x, B, C, dy,
-                     dt_out, dA_cumsum, seq_idx, D, dx, dB, ddt_out, ddA_cumsum, dD_parts, seqlen,
-                     heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, HAS_D)
+                     dt_out, dA_cumsum, seq_idx, D, dstates, seq_last, dx, dB, ddt_out,
+                     ddA_cumsum, dD_parts, state_total, seqlen, heads_per_group, head_splits, Q,
+                     BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, HAS_D, FOLD)
 
     @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_backward_rows_kernel(
@@ -299,6 +363,7 @@ def build_kernels(index_dtype=ct.int32, occupancy=None, warps=None):
         prev_states: Array,  # (b, c, h, p, n) the entering states, any float dtype
         seq_idx: Array,      # (b, l) int32 (ignored unless HAS_SEQ)
         seq_last: Array,     # (b, c) int32: seq_idx at each chunk's last valid position
+        state_total: Array,  # (b, h, c, COLUMN_TILES) fp32 (ignored unless FOLD)
         dC: Array,           # (b, l, g * head_splits, n) fp32 out: each run's sum
         ddA_cumsum: Array,   # (b, h, c, q) fp32 in: the column part; out: the whole
         y_ssm: Array,        # (b, l, h, p) fp32 out (ignored unless REBUILD_Y)
@@ -310,14 +375,17 @@ def build_kernels(index_dtype=ct.int32, occupancy=None, warps=None):
         BLOCK_Q: ConstInt,
         P_PAD: ConstInt,
         N_PAD: ConstInt,
+        COLUMN_TILES: ConstInt,  # q / the columns kernel's BLOCK_Q
         HAS_SEQ: ConstBool,
         REBUILD_Y: ConstBool,
+        FOLD: ConstBool,
     ):
         """Grid: (b * c, g * head_splits, q / BLOCK_Q), one row block of one chunk and run of
         heads a block; after the columns kernel, whose ddA_cumsum it completes."""
         row_block(ct.bid(0) // nchunks, ct.bid(0) % nchunks, ct.bid(1), ct.bid(2), x, B, C, dy,
-                  dt_out, dA_cumsum, prev_states, seq_idx, seq_last, dC, ddA_cumsum, y_ssm, seqlen,
-                  heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ, REBUILD_Y)
+                  dt_out, dA_cumsum, prev_states, seq_idx, seq_last, state_total, dC, ddA_cumsum,
+                  y_ssm, seqlen, heads_per_group, head_splits, Q, BLOCK_Q, P_PAD, N_PAD,
+                  COLUMN_TILES, HAS_SEQ, REBUILD_Y, FOLD)
 
     @ct.kernel(occupancy=occupancy, num_worker_warps=warps)
     def chunk_scan_backward_states_kernel(
@@ -363,10 +431,11 @@ def launch_splits(config: ScanBackwardConfig, b, nchunks, h, g, q, device) -> in
 
 def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=None, seq_last=None,
                         config: ScanBackwardConfig = ScanBackwardConfig(), rebuild_y=False,
-                        D=None):
+                        D=None, dstates=None, dx_dtype=None):
     """Launch the kernels: the gradients of chunk_scan's SSM part and, with D, of the skip
     connection y += D x (no z: ``dy`` is the gradient after the gate). The states kernel only
-    where ``config.dprev_in_walk`` is off.
+    where ``config.dprev_in_walk`` is off. Given ``dstates``, chunk_scan's and chunk_state's
+    backward in one pass (:func:`fold_state`).
 
     Args:
         dy: (b, l, h, p) gradient of y's SSM part, fp32, bf16 or fp16.
@@ -380,10 +449,14 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         rebuild_y: also return y's SSM part, y_ssm (b, l, h, p) fp32 (the gate's gradient reads
             it).
         D: optional (h,) or (h, p) skip weights: dx then holds D dy too, and dD is returned.
+        dstates: optional (b, c, h, p, n) gradient of chunk_state's per-chunk states (state
+            passing's backward's), fp32, bf16 or fp16, read in x's dtype: dx, dB, ddt_out and
+            ddA_cumsum then hold chunk_state's parts too.
+        dx_dtype: dx's dtype (None: fp32), x's where it is the final gradient.
     Returns:
-        dict of fp32 tensors: dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out and ddA_cumsum
-        (b, h, c, q), dprev_states (b, c, h, p, n; None where config.dprev_in_walk), with D dD
-        (D's shape), and with rebuild_y y_ssm (b, l, h, p).
+        dict of fp32 tensors (dx: dx_dtype): dB and dC (b, l, g, n), dx (b, l, h, p), ddt_out
+        and ddA_cumsum (b, h, c, q), dprev_states (b, c, h, p, n; None where
+        config.dprev_in_walk), with D dD (D's shape), and with rebuild_y y_ssm (b, l, h, p).
     Raises:
         ValueError: config.head_splits does not divide the heads per group.
     """
@@ -398,7 +471,7 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     grid = (b * nchunks, g * splits, q // config.block_q)
     out = dict(dB=torch.empty((b, l, g * splits, n), dtype=f, device=dev),
                dC=torch.empty((b, l, g * splits, n), dtype=f, device=dev),
-               dx=torch.empty((b, l, h, p), dtype=f, device=dev),
+               dx=torch.empty((b, l, h, p), dtype=dx_dtype or f, device=dev),
                ddt_out=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
                ddA_cumsum=torch.empty((b, h, nchunks, q), dtype=f, device=dev),
                dprev_states=None if config.dprev_in_walk else
@@ -408,27 +481,35 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
     D_hp = None if D is None else D.to(f).reshape(h, -1).expand(h, p).contiguous()
     dD_parts = None if D is None else torch.empty((b, nchunks * (q // config.block_q), h, p),
                                                   dtype=f, device=dev)
+    fold = dstates is not None
+    # each column block's sum of chunk_state's dw_s w_s, which the rows kernel adds up
+    state_total = (torch.empty((b, h, nchunks, q // config.block_q), dtype=f, device=dev)
+                   if fold else None)
     has_seq = seq_idx is not None
     if has_seq and seq_last is None:
         seq_last = chunk_seq_last(seq_idx, q)
     seq_idx = optional(seq_idx, 2, torch.int32, dev)
     seq_last = optional(seq_last, 2, torch.int32, dev)
     columns, rows, states = build_kernels(
-        index_dtype_for(x, dy, B, C, prev_states, *out.values()), config.occupancy, config.warps)
+        index_dtype_for(x, dy, B, C, prev_states, dstates, *out.values()), config.occupancy,
+        config.warps)
     sizes = dict(seqlen=l, nchunks=nchunks, heads_per_group=h // g, Q=q, P_PAD=next_pow2(p),
                  HAS_SEQ=has_seq)
     diagonal = dict(x=x, B=B, C=C, dy=dy, dt_out=dt_out, dA_cumsum=dA_cumsum, seq_idx=seq_idx,
                     ddA_cumsum=out["ddA_cumsum"], BLOCK_Q=config.block_q, N_PAD=next_pow2(n),
                     head_splits=splits, **sizes)
+    state_total_arg = optional(state_total, 4, f, dev)
     launch(columns, grid, dict(dx=out["dx"], dB=out["dB"], ddt_out=out["ddt_out"],
                                D=optional(D_hp, 2, f, dev), dD_parts=optional(dD_parts, 4, f, dev),
-                               HAS_D=D is not None, **diagonal), device=dev)
+                               dstates=optional(dstates, 5, x.dtype, dev), seq_last=seq_last,
+                               state_total=state_total_arg, HAS_D=D is not None, FOLD=fold,
+                               **diagonal), device=dev)
     # after columns, on the same stream: rows adds to the ddA_cumsum columns stored, position by
     # position, so its tiles may differ from theirs
     launch(rows, (grid[0], grid[1], q // config.rows_block_q), dict(
         diagonal, prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
-        y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, BLOCK_Q=config.rows_block_q),
-        device=dev)
+        y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, BLOCK_Q=config.rows_block_q,
+        state_total=state_total_arg, COLUMN_TILES=q // config.block_q, FOLD=fold), device=dev)
     if not config.dprev_in_walk:
         launch(states, (b * nchunks, h, -(-n // config.block_n)), dict(
             dy=dy, C=C, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,

@@ -206,7 +206,8 @@ def capture_layer(dtype: str, features: str, preset: str = "130m", batch: int = 
 BACKWARD_FEATURES = ("none", "all")
 
 
-def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = None):
+def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = None,
+                     fold: bool | None = False):
     """Run the launchers of the backward's cuTile stages (``ssd.kernels.<stage>_backward``:
     chunk_scan, state_passing, chunk_state, chunk_cumsum, in the order the backward calls them)
     on small CPU tensors and return the recorded launches: x, B, C, dt and the saved entering
@@ -214,7 +215,10 @@ def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = Non
     fp32. The shape is the forward's (:func:`capture_forward`): chunk 256, a ragged last chunk,
     two groups of four heads. ``dprev_in_walk`` (``ScanBackwardConfig``'s): the launches of the
     backward that forms dprev_states in state_passing's walk (True) or writes it from chunk_scan's
-    states kernel (False); None records both ways, every kernel variant."""
+    states kernel (False); None records both ways. ``fold``: the backward with chunk_state's
+    folded into chunk_scan's kernels (True: the walk, then chunk_scan's kernels given dstates;
+    ``ssd.backward.StageBackwards.fold``), the stages one by one (False), or both (None; the fold
+    where the walk forms dprev_states): None with dprev_in_walk None is every kernel variant."""
     import torch
 
     from ..backward import EnteringGradient
@@ -226,6 +230,9 @@ def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = Non
 
     if features not in BACKWARD_FEATURES:
         raise ValueError(f"features: expected one of {BACKWARD_FEATURES}, got {features!r}")
+    if fold and dprev_in_walk is False:
+        raise ValueError("fold: chunk_state's backward folds only where the walk forms "
+                         "dprev_states (dprev_in_walk True or None)")
     t = getattr(torch, dtype)
     q = 256
     b, l, h, p, n, g = 2, q + q // 2, 8, 64, 128, 2
@@ -234,27 +241,38 @@ def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = Non
     seq_idx = torch.zeros(b, l, dtype=torch.int32) if every else None
     dt_out = torch.rand(b, h, c, q)
     dy, C = torch.randn(b, l, h, p), torch.randn(b, l, g, n, dtype=t)
+    unformed = EnteringGradient(dy.to(t), C, None if seq_idx is None else
+                                launch.chunk_seq_last(seq_idx, q))
+
+    def scan(**kw):
+        return chunk_scan_backward(dy, torch.randn(b, l, g, n, dtype=t), C,
+                                   torch.randn(b, l, h, p, dtype=t), dt_out,
+                                   -torch.rand(b, h, c, q), torch.randn(b, c, h, p, n, dtype=t),
+                                   seq_idx=seq_idx, rebuild_y=every,
+                                   D=torch.randn(h) if every else None, **kw)
+
+    def walk(dprev):
+        return state_passing_backward_cutile(
+            dprev, torch.randn(b, c, h, p, n, dtype=t), -torch.rand(b, h, c, q),
+            torch.randn(b, h, p, n) if every else None, seq_idx,
+            dfinal_states=torch.randn(b, h, p, n) if every else None,
+            dstates_dtype=t)  # as the backward asks: in x's dtype, which chunk_state reads
+
     with launch.capture() as records:
-        chunk_scan_backward(dy, torch.randn(b, l, g, n, dtype=t), C,
-                            torch.randn(b, l, h, p, dtype=t), dt_out, -torch.rand(b, h, c, q),
-                            torch.randn(b, c, h, p, n, dtype=t), seq_idx=seq_idx,
-                            config=ScanBackwardConfig(dprev_in_walk=dprev_in_walk is True),
-                            rebuild_y=every, D=torch.randn(h) if every else None)
-        formed = [] if dprev_in_walk else [torch.randn(b, c, h, p, n)]
-        unformed = [] if dprev_in_walk is False else [EnteringGradient(
-            dy.to(t), C, None if seq_idx is None else launch.chunk_seq_last(seq_idx, q))]
-        for dprev in formed + unformed:
-            passing = state_passing_backward_cutile(
-                dprev, torch.randn(b, c, h, p, n, dtype=t), -torch.rand(b, h, c, q),
-                torch.randn(b, h, p, n) if every else None, seq_idx,
-                dfinal_states=torch.randn(b, h, p, n) if every else None,
-                dstates_dtype=t)  # as the backward asks: in x's dtype, which chunk_state reads
-        state = chunk_state_backward_cutile(
-            passing["dstates"], torch.randn(b, l, g, n, dtype=t), torch.randn(b, l, h, p, dtype=t),
-            dt_out, -torch.rand(b, h, c, q), seq_idx,  # the backward's: scan's dx added, the
-            dx_prior=torch.randn(b, l, h, p), dx_dtype=t)  # sum in x's dtype
+        if fold is not True:  # the stages one by one
+            scan(config=ScanBackwardConfig(dprev_in_walk=dprev_in_walk is True))
+            formed = [] if dprev_in_walk else [torch.randn(b, c, h, p, n)]
+            for dprev in formed + ([] if dprev_in_walk is False else [unformed]):
+                passing = walk(dprev)
+            ddt = chunk_state_backward_cutile(
+                passing["dstates"], torch.randn(b, l, g, n, dtype=t),
+                torch.randn(b, l, h, p, dtype=t), dt_out, -torch.rand(b, h, c, q), seq_idx,
+                dx_prior=torch.randn(b, l, h, p),  # the backward's: scan's dx added, the sum in
+                dx_dtype=t)["ddt_out"]  # x's dtype
+        if fold is not False and dprev_in_walk is not False:  # the walk, then both stages
+            ddt = scan(dstates=walk(unformed)["dstates"], dx_dtype=t)["ddt_out"]
         chunk_cumsum_backward_cutile(
-            state["ddt_out"], state["ddA_cumsum"], torch.randn(b, l, h, dtype=t), -torch.rand(h),
+            ddt, torch.randn(b, h, c, q), torch.randn(b, l, h, dtype=t), -torch.rand(h),
             q, dt_bias=torch.randn(h) if every else None, dt_softplus=every,
             dt_limit=(0.001, 0.1) if every else (0.0, float("inf")),
             dt_out=dt_out if every else None)
@@ -287,7 +305,7 @@ def compile_all(archs=ARCHS, dtypes=DTYPES, progress=print, forward_only=False) 
                 # the backward's stage kernels with every option on (the options' flags only
                 # take code out: the bare forms cost compile time and risk little; the GPU tests
                 # compile every feature set on sm_90)
-                records += capture_backward(dtype, "all")
+                records += capture_backward(dtype, "all", fold=None)
             # the one-kernel stages 2 and 3, at the chunk size the default takes them
             records += capture_forward(dtype, "unpacked" if features == "all" else features,
                                        True, 64, config=one_kernel)

@@ -15,7 +15,9 @@ are skipped), the defaults' point marked: the knobs that trade blocks for a buff
 (``head_splits``) and registers for spills (tiles and warps; ``ScanBackwardConfig``'s docstring
 says which spill). ``--state-tiles`` and ``--passing-tiles`` time ``chunk_state``'s and
 ``state_passing``'s backward at each given tiling, and ``--dprev`` says where dprev_states
-forms (both places by default).
+forms: ``walk`` (state_passing's walk, the default), ``kernel`` (chunk_scan's states kernel) or
+``fold`` (the walk, with chunk_state's backward folded into chunk_scan's kernels:
+``ssd.backward.StageBackwards.fold``, timed as one call that includes the walk).
 
 Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
 removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
@@ -30,8 +32,11 @@ import sys
 
 from ..backward import StageBackwards
 
-#: The stages in the order the backward runs them.
+#: The stages in the order the backward runs them, and ``fold`` (chunk_scan's and chunk_state's
+#: backward in one call, the walk inside), which a table may take in their place.
 STAGES = StageBackwards._fields
+#: Where dprev_states forms (and whether chunk_state's backward folds into chunk_scan's).
+PLACEMENTS = ("walk", "kernel", "fold")
 
 
 def stage_calls(shape, chunk_size: int, dtype="bfloat16", device="cuda", forward=None,
@@ -59,13 +64,14 @@ def stage_calls(shape, chunk_size: int, dtype="bfloat16", device="cuda", forward
             return fn(*args, **kwargs)
         return call
 
-    wrapped = StageBackwards(*(kept(name, fn) for name, fn in zip(STAGES, inner)))
+    wrapped = StageBackwards(*(fn and kept(name, fn) for name, fn in zip(STAGES, inner)))
     leaves = leaves_of(make_inputs(shape, dtype, device=device))
     x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
     y = forward(x, dt, A, B, C, chunk_size, D=D, dt_bias=bias, dt_softplus=True,
                 backwards=wrapped)
     torch.autograd.grad(y, list(leaves.values()), upstream(shape, dtype, device=device))
-    if missing := [s for s in STAGES if s not in calls]:
+    folded = ("chunk_scan", "chunk_state") if inner.fold else ("fold",)
+    if missing := [s for s in STAGES if s not in calls and s not in folded]:
         raise RuntimeError(f"the backward never called {', '.join(missing)}")
     return calls
 
@@ -117,23 +123,25 @@ STATE_SWEPT = ("block_s", "block_p", "block_n")
 PASSING_SWEPT = ("block_p", "block_n")
 
 
-def where_dprev_forms(in_walk: bool) -> StageBackwards:
-    """The cuTile stages with dprev_states formed in state_passing's walk (``in_walk``, the
-    default) or by chunk_scan's states kernel (``ScanBackwardConfig.dprev_in_walk``)."""
+def where_dprev_forms(where: str) -> StageBackwards:
+    """The cuTile stages with dprev_states formed where ``where`` (of :data:`PLACEMENTS`) says:
+    in state_passing's walk ("walk", the default), by chunk_scan's states kernel ("kernel":
+    ``ScanBackwardConfig.dprev_in_walk`` off), or in the walk with chunk_state's backward folded
+    into chunk_scan's kernels ("fold")."""
     import functools
 
     from ..backward import chunk_scan_backward_cutile, cutile_backwards
     from ..config import ScanBackwardConfig
 
-    return cutile_backwards()._replace(chunk_scan=functools.partial(
-        chunk_scan_backward_cutile, config=ScanBackwardConfig(dprev_in_walk=in_walk)))
+    return cutile_backwards(fold=where == "fold")._replace(chunk_scan=functools.partial(
+        chunk_scan_backward_cutile, config=ScanBackwardConfig(dprev_in_walk=where != "kernel")))
 
 
-def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"),
+def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
         state_tiles=(), passing_tiles=()) -> dict:
     """Time every stage's backward, the forward and the forward + backward of each shape at each
-    chunk size with dprev_states formed where each of ``dprev`` says ("walk": in state_passing's
-    walk, "kernel": by chunk_scan's states kernel), chunk_scan's at every combination of
+    chunk size with dprev_states formed where each of ``dprev`` says (:func:`where_dprev_forms`;
+    "fold" times chunk_scan's and chunk_state's folded call), chunk_scan's at every combination of
     ``sweep`` ({field of :data:`SWEPT`: values}), chunk_state's at each of ``state_tiles``
     ((block_s, block_p, block_n) of StateBackwardConfig) and state_passing's at each of
     ``passing_tiles`` ((block_p, block_n) of PassingBackwardConfig: its walk's state slices), the
@@ -150,28 +158,29 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"),
 
     records, sweep = [], sweep or {}
     for shape, q, where_dprev in itertools.product(shapes, chunks, dprev):
-        backwards = where_dprev_forms(where_dprev == "walk")
+        backwards = where_dprev_forms(where_dprev)
         where = dict(shape=shape.name, dims=list(shape.dims), chunk_size=q, dprev=where_dprev)
         calls = stage_calls(shape, q, backwards=backwards)
         default, tried = head_split_choices(shape, q, sweep.get("head_splits", ()))
         for stage, (fn, args, kwargs) in calls.items():
             records.append(dict(where, what=stage, **timed(backward_call(fn, args, kwargs), reps),
-                                head_splits=default if stage == "chunk_scan" else None))
-        fn, args, kwargs = calls["chunk_scan"]
-        base = ScanBackwardConfig(head_splits=default, dprev_in_walk=where_dprev == "walk")
+                                head_splits=default if stage in ("chunk_scan", "fold") else None))
+        scan = "fold" if "fold" in calls else "chunk_scan"
+        fn, args, kwargs = calls[scan]
+        base = ScanBackwardConfig(head_splits=default, dprev_in_walk=where_dprev != "kernel")
         values = [tried or (default,)] + [sweep.get(k) or (getattr(base, k),)
                                           for k in SWEPT[1:]]
         swept = any(sweep.values()) and where_dprev == dprev[0]
         for point in itertools.product(*values) if swept else ():
             config = dataclasses.replace(base, **dict(zip(SWEPT, point)))
             stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
-            records.append(dict(where, what="chunk_scan (sweep)", **dict(zip(SWEPT, point)),
+            records.append(dict(where, what=f"{scan} (sweep)", **dict(zip(SWEPT, point)),
                                 default=config == base, **stats))
         for stage, cls, fields, points in (
                 ("chunk_state", StateBackwardConfig, STATE_SWEPT, state_tiles),
                 ("state_passing", PassingBackwardConfig, PASSING_SWEPT, passing_tiles)):
-            fn, args, kwargs = calls[stage]
-            for tiles in points if where_dprev == dprev[0] else ():
+            fn, args, kwargs = calls.get(stage, (None, (), {}))
+            for tiles in points if where_dprev == dprev[0] and fn else ():
                 config = cls(**dict(zip(fields, tiles)))
                 stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
                 records.append(dict(where, what=f"{stage} (sweep)", **dict(zip(fields, tiles)),
@@ -198,9 +207,10 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=("walk", "kernel"),
 
 
 def breakdown(records) -> list[dict]:
-    """One row per (shape, chunk size, where dprev_states forms): each stage's ms, their sum,
-    the forward, the forward + backward, the backward (their difference) and what lies between
-    the stages (the backward minus the stages' sum)."""
+    """One row per (shape, chunk size, where dprev_states forms): each stage's ms (None for a
+    stage the placement does not call), their sum (with ``fold``: fold, which holds the walk, and
+    chunk_cumsum), the forward, the forward + backward, the backward (their difference) and what
+    lies between the stages (the backward minus the stages' sum)."""
     rows = {}
     for r in records:
         if r["what"].endswith("(sweep)"):
@@ -208,11 +218,14 @@ def breakdown(records) -> list[dict]:
         row = rows.setdefault((r["shape"], r["chunk_size"], r["dprev"]),
                               dict(shape=r["shape"], chunk_size=r["chunk_size"], dprev=r["dprev"]))
         row[r["what"]] = r["median_ms"]
-        if r["what"] == "chunk_scan":
+        if r["what"] in ("chunk_scan", "fold"):
             row["head_splits"] = r["head_splits"]
     out = []
     for row in rows.values():
-        row["stages"] = sum(row[s] for s in STAGES)
+        called = ("fold", "chunk_cumsum") if "fold" in row else STAGES[:-1]
+        for s in STAGES:
+            row.setdefault(s, None)
+        row["stages"] = sum(row[s] for s in called)
         row["backward"] = row["forward+backward"] - row["forward"]
         row["between stages"] = row["backward"] - row["stages"]
         out.append(row)
@@ -228,11 +241,12 @@ def table(payload) -> str:
     for row in breakdown(payload["records"]):
         lines.append(f"{row['shape']:13s} {row['chunk_size']:4d} {row['dprev']:>6s} "
                      f"{row['head_splits']:6d} "
-                     + " ".join(f"{row[c]:13.3f}" for c in cols))
-    sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
+                     + " ".join(f"{'–':>13s}" if row[c] is None else f"{row[c]:13.3f}"
+                                for c in cols))
+    sweep = [r for r in payload["records"] if r["what"] in ("chunk_scan (sweep)", "fold (sweep)")]
     if sweep:
-        lines.append("chunk_scan's backward by " + ", ".join(SWEPT) + " (None: the compiler's "
-                     "or block_q's; * the defaults)")
+        lines.append(f"{sweep[0]['what'][:-8]}'s backward by " + ", ".join(SWEPT)
+                     + " (None: the compiler's or block_q's; * the defaults)")
         for r in sweep:
             point = " ".join(f"{str(r[k]):>5s}" for k in SWEPT)
             lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {point}"
@@ -266,9 +280,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rows-block-q", default="",
                         help="and these tiles of its rows kernel alone, e.g. 32,64")
     parser.add_argument("--warps", default="", help="and these warp counts (4, 8)")
-    parser.add_argument("--dprev", default="walk,kernel",
+    parser.add_argument("--dprev", default="walk,kernel,fold",
                         help="where dprev_states forms: walk (state_passing's, the default), "
-                             "kernel (chunk_scan's states kernel); the sweep takes the first")
+                             "kernel (chunk_scan's states kernel), fold (the walk, chunk_state's "
+                             "backward folded into chunk_scan's kernels); the sweep takes the "
+                             "first")
     parser.add_argument("--state-tiles", default="",
                         help="chunk_state's backward also at these block_s x block_p x block_n, "
                              "e.g. 64x32x32,64x64x64")
@@ -309,8 +325,8 @@ def main(argv=None) -> int:
                    if len(t) != size or any(v < 8 or v & (v - 1) for v in t)]:
             parser.error(f"{option}: {bad} not {size} powers of two of at least 8")
     dprev = tuple(args.dprev.split(","))
-    if bad := [d for d in dprev if d not in ("walk", "kernel")]:
-        parser.error(f"--dprev: {bad} not walk or kernel")
+    if bad := [d for d in dprev if d not in PLACEMENTS]:
+        parser.error(f"--dprev: {bad} not of {', '.join(PLACEMENTS)}")
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
     payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps, dprev,
