@@ -185,11 +185,16 @@ def test_default_backward_takes_the_kernels():
         is TB.TORCH_BACKWARDS
 
 
-@pytest.mark.parametrize("dtype", DTYPE_NAMES)
-@pytest.mark.parametrize("name", list(EDGE_SHAPES) + ["model-like-q64", "model-like-q256"])
+FOLD_CASES = ([(name, "bfloat16") for name in [*EDGE_SHAPES, "model-like-q64", "model-like-q256"]]
+              + [(name, dtype) for name in ("all-features", "l-not-multiple")
+                 for dtype in ("float32", "float16")])
+
+
+@pytest.mark.parametrize("name, dtype", FOLD_CASES)
 def test_chunk_state_folded_into_chunk_scan(name, dtype, gpu_record):
     """chunk_state's backward folded into chunk_scan's kernels (``cutile_backwards(fold=True)``:
-    the walk first, then both stages' gradients from one pass) meets the same tolerances."""
+    the walk first, then both stages' gradients from one pass) meets the same tolerances: every
+    edge shape and the production chunk sizes in bf16, two shapes in fp32 and fp16."""
     from ssd.backward import cutile_backwards
 
     spec = EDGE_SHAPES.get(name) or ProblemSpec(

@@ -47,6 +47,9 @@ RTOL = 2e-5
 # fp16 MMA operands (weights, dy, entering states rounded to 2^-11) in sums of a few dozen
 # terms: errors up to about 5e-4 of the largest magnitude on these shapes
 FP16_RTOL = 3e-3
+# bf16 operands (2^-8, eight times fp16's unit roundoff) in the same sums
+BF16_RTOL = 8 * FP16_RTOL
+HALF = {"float16": (torch.float16, FP16_RTOL), "bfloat16": (torch.bfloat16, BF16_RTOL)}
 
 SHAPES = {
     "l-less-than-q": EDGE_SHAPES["l-less-than-q"].replace(batch=1, nheads=2),
@@ -154,20 +157,22 @@ def test_chunk_state_backward(name, tiles):
         close(got[k], want[k], k)
 
 
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx", "full-chunks"])
-def test_chunk_state_backward_fp16_inputs(name):
-    """fp16 x and B: the MMAs take fp16 operands (dS and w x rounded once to fp16; the emulator
-    enforces the operands' matching dtypes), fp32 accumulation; against the float64 function of
-    the same fp16 values, within fp16 operand rounding."""
+def test_chunk_state_backward_half_inputs(name, dtype):
+    """fp16 or bf16 x and B: the MMAs take operands in that dtype (dS and w x rounded once to
+    it; the emulator enforces the operands' matching dtypes), fp32 accumulation; against the
+    float64 function of the same rounded values, within the operands' rounding."""
+    half, rtol = HALF[dtype]
     spec, t, ref, g = problem(name)
-    B, x = t["B"].half(), t["x"].half()
+    B, x = t["B"].to(half), t["x"].to(half)
     want = TB.chunk_state_backward_torch(g["dstates"], B.double(), x.double(), ref["dt_out"],
                                          ref["dA_cumsum"], t.get("seq_idx"))
     got = emulated(STATE.chunk_state_backward_cutile, g["dstates"].float(), B, x,
                    ref["dt_out"].float(), ref["dA_cumsum"].float(), t.get("seq_idx"),
                    config=SMALL_BACKWARD["state"])
     for k in want:
-        close(got[k], want[k], k, rtol=FP16_RTOL)
+        close(got[k], want[k], k, rtol=rtol)
 
 
 @pytest.mark.parametrize("name", ["l-not-multiple", "ngroups-2-seq-idx"])
@@ -330,12 +335,17 @@ def test_chunk_scan_backward_rows_take_their_own_tiles(name, rows, monkeypatch):
                                             rows_block_q=rows), monkeypatch)
 
 
-def folded_backward(name, config, monkeypatch):
+def folded_backward(name, config, monkeypatch, dtype="float32"):
     """chunk_scan's backward with chunk_state's folded into its kernels (``walk`` given) against
     the float64 stages run one after the other: chunk_scan's, state_passing's from its
     dprev_states, chunk_state's from that walk's dstates; dx, dB, ddt_out and ddA_cumsum hold
-    both stages' parts, and the walk's result comes back under "passing"."""
+    both stages' parts, and the walk's result comes back under "passing". ``dtype``: x, B, C,
+    dy and the entering states' (the references read the same rounded values)."""
     spec, t, ref, g = problem(name)
+    half, rtol = HALF.get(dtype, (torch.float32, RTOL))
+    t = {k: v.to(half) if k in ("x", "B", "C") else v for k, v in t.items()}
+    g["dy"] = g["dy"].to(half).double()
+    ref["prev_states"] = ref["prev_states"].to(half).double()
     monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
     D, z, seq = t.get("D"), t.get("z"), t.get("seq_idx")
     kw = dict(initial_states=t.get("initial_states"), seq_idx=seq)
@@ -356,15 +366,15 @@ def folded_backward(name, config, monkeypatch):
             dprev_states, ref["prev_states"].float(), ref["dA_cumsum"].float(), **kw,
             dfinal_states=g["dfinal_states"].float(), config=SMALL_BACKWARD["passing"])
 
-    got = emulated(TB.chunk_scan_backward_cutile, g["dy"].float(), t["B"], t["C"], t["x"],
-                   ref["dt_out"].float(), ref["dA_cumsum"].float(), ref["prev_states"].float(), D,
-                   z, seq, config=config, walk=walk, dx_dtype=torch.float16)
+    got = emulated(TB.chunk_scan_backward_cutile, g["dy"].to(half), t["B"], t["C"], t["x"],
+                   ref["dt_out"].float(), ref["dA_cumsum"].float(), ref["prev_states"].to(half),
+                   D, z, seq, config=config, walk=walk, dx_dtype=torch.float16)
     assert got["dx"].dtype == torch.float16  # where dx is final: the caller's dtype
     assert sorted(got) == sorted([*scan, "passing"])
     for k in scan:
-        close(got[k], scan[k], k, rtol=FP16_RTOL if k == "dx" else RTOL)
+        close(got[k], scan[k], k, rtol=max(rtol, FP16_RTOL) if k == "dx" else rtol)
     for k in passing:
-        close(got["passing"][k], passing[k], f"{k} of the walk")
+        close(got["passing"][k], passing[k], f"{k} of the walk", rtol=rtol)
 
 
 @pytest.mark.parametrize("tiles", CONFIGS)
@@ -376,6 +386,13 @@ def test_chunk_state_backward_folds_into_chunk_scan_backward(name, tiles, monkey
 @pytest.mark.parametrize("name", ["q128", "ngroups-8", "l-one-q32"])
 def test_chunk_state_backward_folds_at_default_tiles(name, monkeypatch):
     folded_backward(SCAN_SHAPES[name], ScanBackwardConfig(), monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("name", ["full-chunks", "ngroups-2-seq-idx", "all-features"])
+def test_chunk_state_backward_folds_on_half_inputs(name, dtype, monkeypatch):
+    """The MMAs' operands in x's dtype, dS among them (as chunk_state's own kernels round it)."""
+    folded_backward(name, SMALL_BACKWARD["scan"], monkeypatch, dtype)
 
 
 @pytest.mark.parametrize("name", ["l-not-multiple", "full-chunks", "ngroups-2-seq-idx"])
@@ -612,13 +629,16 @@ def test_forward_varlen_states(config):
     close(got["varlen_states"], torch.from_numpy(want), "varlen_states")
 
 
+@pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("config", ["fused-stage-2", "split-stage-2", "fused-scan"])
-def test_fp16_inputs(config, monkeypatch):
-    """fp16 inputs: the MMA operands rounded to x's dtype with fp32 accumulators, and every
-    store's cast explicit where it narrows (the emulator enforces cuTile's dtype rules); values
-    against the float64 references of the fp16 inputs, within fp16 operand rounding."""
+def test_half_inputs(config, dtype, monkeypatch):
+    """fp16 or bf16 inputs: the MMA operands rounded to x's dtype with fp32 accumulators, and
+    every store's cast explicit where it narrows (the emulator enforces cuTile's dtype rules);
+    values against the float64 references of the rounded inputs, within the operands'
+    rounding."""
+    dtype, rtol = HALF[dtype]
     spec, t, ref, g = problem("l-not-multiple")
-    half = {k: v.half() if v.is_floating_point() and k in ("x", "B", "C", "dt") else v
+    half = {k: v.to(dtype) if v.is_floating_point() and k in ("x", "B", "C", "dt") else v
             for k, v in t.items()}
     ref = {k: torch.from_numpy(v) for k, v in spec.reference(
         {k: v.double().numpy() if v.is_floating_point() else v.numpy()
@@ -626,14 +646,14 @@ def test_fp16_inputs(config, monkeypatch):
     got = emulated(forward_stages, half["x"], half["dt"], half["A"], half["B"], half["C"],
                    spec.chunk_size, config=FORWARD[config])
     for k in ("dt_out", "dA_cumsum", "final_states", "y"):
-        close(got[k], ref[k], k, rtol=FP16_RTOL)
+        close(got[k], ref[k], k, rtol=rtol)
     monkeypatch.setattr(SCAN, "check_inputs", check_inputs_on_cpu)
     want = TB.chunk_scan_backward_torch(g["dy"], *(half[k].double() for k in ("B", "C", "x")),
                                         ref["dt_out"], ref["dA_cumsum"], ref["prev_states"])
-    got = emulated(TB.chunk_scan_backward_cutile, g["dy"].half(), half["B"], half["C"],
+    got = emulated(TB.chunk_scan_backward_cutile, g["dy"].to(dtype), half["B"], half["C"],
                    half["x"], ref["dt_out"].float(), ref["dA_cumsum"].float(),
-                   ref["prev_states"].half(), config=SMALL_BACKWARD["scan"])
-    close_scan(got, want, t, ref, g, rtol=FP16_RTOL)
+                   ref["prev_states"].to(dtype), config=SMALL_BACKWARD["scan"])
+    close_scan(got, want, t, ref, g, rtol=rtol)
 
 
 # --- the layer's conv and norm, the decode step -----------------------------------------------

@@ -27,7 +27,7 @@ What it checks, per the cuTile docs (``cuda.tile`` docstrings of ``load``, ``sto
   by another, raises (the result would depend on the blocks' order on a GPU);
 * aliasing: two array arguments that share memory raise (cuTile forbids it);
 * dtypes: ``mma`` takes operands of one dtype and an accumulator of the dtype the docs' table
-  allows (f16 -> f16 or f32, f32 -> f32, f64 -> f64); a store casts only where the cast is
+  allows (f16 -> f16 or f32, bf16 -> f32, f32 -> f32, f64 -> f64); a store casts only where the cast is
   implicit in cuTile (the tile's dtype promotes to the array's), a narrowing store raises.
 
 What it cannot check: the rounding of real tensor-core MMAs (here: float64 products and sums,
@@ -37,8 +37,9 @@ int32 overflow of index arithmetic (Python ints here), scheduling, memory-model 
 two above (atomics are not emulated), compile errors (the AOT tests), performance, resource
 limits.
 
-Strict where unsure: bfloat16 arrays and ops not listed in :data:`OPS` raise instead of
-guessing (the tile helpers must not silently run with real ``cuda.tile`` ops), ``check_bounds=
+bfloat16 tiles and arrays are ``ml_dtypes.bfloat16`` NumPy arrays (a bfloat16 tensor is read
+and written through an int16 view of its memory). Strict where unsure: ops not listed in
+:data:`OPS` raise instead of guessing (the tile helpers must not silently run with real ``cuda.tile`` ops), ``check_bounds=
 False`` raises for a tile not wholly inside the array, and integer ``//`` and ``%`` are
 Python's (floor) on scalars; the kernels only divide non-negative indices.
 """
@@ -50,6 +51,7 @@ import inspect
 import sys
 import types
 
+import ml_dtypes
 import numpy as np
 
 import cuda.tile as real_ct
@@ -60,23 +62,15 @@ PaddingMode = real_ct.PaddingMode
 _PAD_VALUE = {PaddingMode.ZERO: 0.0, PaddingMode.NEG_ZERO: -0.0, PaddingMode.NAN: np.nan,
               PaddingMode.POS_INF: np.inf, PaddingMode.NEG_INF: -np.inf}
 #: mma: operand dtype -> the accumulator dtypes the cuTile docs allow
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 _MMA_ACC = {np.dtype(np.float16): (np.dtype(np.float16), np.dtype(np.float32)),
+            BFLOAT16: (np.dtype(np.float32),),
             np.dtype(np.float32): (np.dtype(np.float32),),
             np.dtype(np.float64): (np.dtype(np.float64),)}
 
 
 class EmulationError(AssertionError):
     """A kernel did something the cuTile docs leave undefined, or that the emulator refuses."""
-
-
-class _Unsupported:
-    """A dtype the emulator has no NumPy type for, or an array of it: using it raises."""
-
-    def __init__(self, name):
-        self.name = name
-
-    def __getattr__(self, attr):
-        raise EmulationError(f"{self.name} is not emulated")
 
 
 class _State:
@@ -313,21 +307,15 @@ def mma(x, y, acc, *, use_fast_acc=False):
     return out.astype(acc.dtype)
 
 
-def _dtype(dtype):
-    if isinstance(dtype, _Unsupported):
-        raise EmulationError(f"{dtype.name} is not emulated")
-    return np.dtype(dtype)
-
-
 def arange(size, *, dtype, start=0, step=1):
     _pow2((size,), "arange")
-    return (start + step * np.arange(size)).astype(_dtype(dtype))
+    return (start + step * np.arange(size)).astype(np.dtype(dtype))
 
 
 def full(shape, fill_value, dtype):
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     _pow2(shape, "full")
-    return np.full(shape, fill_value, dtype=_dtype(dtype))
+    return np.full(shape, fill_value, dtype=np.dtype(dtype))
 
 
 def zeros(shape, dtype):
@@ -415,7 +403,7 @@ def reshape(x, shape):
 
 
 def astype(x, dtype, *, rounding_mode=None):
-    return np.asarray(x).astype(_dtype(dtype))
+    return np.asarray(x).astype(np.dtype(dtype))
 
 
 def extract(x, index, shape):
@@ -448,7 +436,7 @@ OPS = dict(
     cumsum=cumsum, transpose=transpose, permute=permute, reshape=reshape, astype=astype,
     extract=extract, cdiv=cdiv, static_iter=static_iter, PaddingMode=PaddingMode,
     Constant=real_ct.Constant, float16=np.float16, float32=np.float32, float64=np.float64,
-    int32=np.int32, int64=np.int64, bool_=np.bool_, bfloat16=_Unsupported("bfloat16"),
+    int32=np.int32, int64=np.int64, bool_=np.bool_, bfloat16=ml_dtypes.bfloat16,
 )
 
 
@@ -469,8 +457,8 @@ def _as_array(value, name):
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise EmulationError(f"{name}: a {value.device} tensor; the emulator runs on CPU ones")
-        if value.dtype == torch.bfloat16:  # fine as an absent input's stand-in, never read
-            return _Unsupported(f"{name}: a bfloat16 array")
+        if value.dtype == torch.bfloat16:  # NumPy has none: ml_dtypes' over the same memory
+            return value.detach().view(torch.int16).numpy().view(BFLOAT16)
         return value.detach().numpy()
     return value
 
