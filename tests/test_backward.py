@@ -450,3 +450,41 @@ def test_check_gradient_catches_what_the_norm_misses():
     unwritten[0, 0, 0] = np.nan
     check = check_gradient("dx", unwritten, ref, "bfloat16")
     assert check.rel_err == np.inf and check.elem_ratio == np.inf and "dx" in check.failure()
+
+
+def test_a_summed_gradient_is_measured_against_its_terms():
+    """A sum whose terms cancel: rounding each term in bf16 moves it by far more than GRAD_TOL
+    of its value, within GRAD_TOL of the terms' norm (``scale``); a dropped term fails."""
+    from ssd.validate import check_gradient
+
+    rng = np.random.default_rng(8)
+    terms = rng.standard_normal(500)
+    terms -= terms.mean() - 1e-3  # the sum cancels to 1e-3 * 500 = 0.5 of terms of size ~1
+    ref = np.array([terms.sum()])
+    scale = np.array([np.linalg.norm(terms)])
+    rounded = np.array([(terms * (1 + rng.uniform(-2.0**-8, 2.0**-8, terms.shape))).sum()])
+    assert not check_gradient("dA", rounded, ref, "bfloat16").ok
+    assert check_gradient("dA", rounded, ref, "bfloat16", scale).ok
+    dropped = np.array([terms[1:].sum()])
+    assert abs(terms[0]) > 0.5 and not check_gradient("dA", dropped, ref, "bfloat16", scale).ok
+
+
+def test_sum_scales_are_the_norms_of_the_terms_summed():
+    """ssd.validate.sum_scales on a problem with every summed gradient: dA's terms (ddA_cumsum
+    times the chunk's cumulative dt') add up to dA, and each scale is its terms' 2-norm."""
+    from ssd.validate import sum_scales
+
+    spec = EDGE_SHAPES["all-features"]
+    inputs, grads = spec.make_inputs(seed=3), spec.make_output_grads(seed=3)
+    want = spec.reference_backward(inputs, grads)
+    t = {k: torch.from_numpy(v) for k, v in inputs.items()}
+    scales = sum_scales(spec, t, torch.from_numpy(grads["dy"]), want)
+    assert sorted(scales) == ["dA", "dD", "ddt_bias"]
+    terms = want["ddA_cumsum"] * np.cumsum(spec.reference(inputs)["dt_out"], axis=-1)
+    np.testing.assert_allclose(terms.sum((0, 2, 3)), want["dA"], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(scales["dA"], np.sqrt((terms ** 2).sum((0, 2, 3))))
+    np.testing.assert_allclose(scales["ddt_bias"], np.sqrt((want["ddt"] ** 2).sum((0, 1))))
+    gated = grads["dy"] * R.silu(inputs["z"]) * inputs["x"]
+    axes = (0, 1, 3) if want["dD"].ndim == 1 else (0, 1)
+    np.testing.assert_allclose(gated.sum(axes), want["dD"], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(scales["dD"], np.sqrt((gated ** 2).sum(axes)))

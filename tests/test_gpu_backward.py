@@ -8,7 +8,8 @@ printed on failure; ``SSD_TEST_SEED`` replays one).
 
 Every gradient is checked by both criteria of ``ssd.validate.check_gradient``: the norm within
 ``GRAD_TOL`` of the input dtype (the derivation is there) and the worst element within
-``GRAD_ELEMENT_FACTOR`` tolerances of the reference's RMS; it must come back in its input's
+``GRAD_ELEMENT_FACTOR`` tolerances of the reference's RMS (the sums over positions, dA, ddt_bias
+and dD, of their terms' norm: ``ssd.validate.sum_scales``); it must come back in its input's
 dtype. Memory is poisoned: every ``torch.empty`` in the forward and the backward (the kernels'
 output buffers, the backward's) returns NaN-filled memory (PyTorch's deterministic mode with
 ``fill_uninitialized_memory``), so an element nothing writes fails the check. Rows go to
@@ -29,7 +30,7 @@ torch = pytest.importorskip("torch")
 from ssd.config import FusedScanConfig, ScanConfig, SSDConfig, StateConfig  # noqa: E402
 from ssd.problem import EDGE_SHAPES, ProblemSpec, random_spec  # noqa: E402
 from ssd.validate import (DTYPE_NAMES, GRAD_TOL, as_float64, check_gradient,  # noqa: E402
-                          device_inputs, host_inputs, poisoned_memory, rel_err)
+                          device_inputs, host_inputs, poisoned_memory, rel_err, sum_scales)
 
 pytestmark = pytest.mark.gpu
 
@@ -115,9 +116,10 @@ def check_backward(spec, dtype, record, label, seed, config=None, final=True, on
     with poisoned_memory():
         got = api_gradients(spec, inputs, dy, dfinal, config, backwards=backwards)
     want = reference_gradients(spec, inputs, dy, dfinal)
+    scales = sum_scales(spec, inputs, dy, want)
     failures = []
     for key, out in got.items():
-        check = check_gradient(key, out, want[key], dtype)
+        check = check_gradient(key, out, want[key], dtype, scales.get(key))
         record.append(dict(test=label, record="backward", shape=spec.name or str(spec),
                            dims=list(spec.dims), chunk_size=spec.chunk_size, dtype=dtype,
                            **check.fields(), seed=seed))
@@ -313,6 +315,7 @@ def test_matches_mamba_ssm_backward_where_it_is_correct(name, gpu_record):
     dy, dfinal = upstream(spec, seed, dtype)
     ours = api_gradients(spec, inputs, dy, dfinal)
     want = reference_gradients(spec, inputs, dy, dfinal)
+    scales = sum_scales(spec, inputs, dy, want)
     leaves = leaves_of(inputs)
     try:
         y, final = theirs(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"],
@@ -330,7 +333,7 @@ def test_matches_mamba_ssm_backward_where_it_is_correct(name, gpu_record):
         peer = {}
     failures = []
     for key, out in ours.items():
-        check = check_gradient(key, out, want[key], dtype)
+        check = check_gradient(key, out, want[key], dtype, scales.get(key))
         row = dict(test="peer/mamba_ssm-backward", record="backward", shape=name, dtype=dtype,
                    kind="peer", **check.fields())
         if not check.ok:
