@@ -406,31 +406,38 @@ class StateBackwardConfig:
     ``head_splits`` runs of a group's heads (as in ScanBackwardConfig). Untimed: 32 x 32 state
     tiles. On sm_90 (p 64, n 128, chunk 256) bf16 inputs compile spill-free at 32 and 64 in
     either axis; fp32 inputs, whose MMAs run on CUDA cores, spill 2.7 KB a thread in the dx
-    kernel even at 32 x 32."""
+    kernel even at 32 x 32. ``occupancy``: both kernels' hint, as in StateConfig (None: the
+    compiler's choice)."""
 
     block_s: int = 64
     block_p: int = 32
     block_n: int = 32
     head_splits: int | None = None
+    occupancy: int | None = None
 
     def __post_init__(self):
         for name in ("block_s", "block_p", "block_n"):
             _check_pow2(name, getattr(self, name))
         _check_splits(self)
+        _check_hints(self)
 
 
 @dataclass(frozen=True)
 class PassingBackwardConfig:
     """state_passing's backward (:mod:`ssd.kernels.state_passing_backward`): a block owns a
     ``block_p`` x ``block_n`` slice of one head's state gradient (clamped to the problem) and
-    walks the chunks from last to first, as the forward's walk does from first to last."""
+    walks the chunks from last to first, as the forward's walk does from first to last.
+    ``occupancy``: the walk's hint, as in StateConfig (None: the compiler's choice, which on
+    sm_90 takes 255 registers and one or two blocks a SM)."""
 
     block_p: int = 64
     block_n: int = 64
+    occupancy: int | None = None
 
     def __post_init__(self):
         _check_pow2("block_p", self.block_p)
         _check_pow2("block_n", self.block_n)
+        _check_hints(self)
 
 
 # Per-architecture defaults, keyed by compute-capability major. Only 9 (Hopper) is measured.

@@ -95,7 +95,8 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     monkeypatch.setattr(api, "mamba_chunk_scan_combined", forward)
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
-                     reps=3, state_tiles=[(64, 32, 32), (16, 8, 8)], passing_tiles=[(8, 8)])
+                     reps=3, state_tiles=[(64, 32, 32, None), (16, 8, 8, 2)],
+                     passing_tiles=[(8, 8, 4)])
     assert chosen == ["walk", "kernel", "fold"]  # dprev_states formed in the walk, by the states
     # kernel, in the walk with chunk_state folded into chunk_scan
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
@@ -104,10 +105,11 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
                                                                      (2, 8)]
     assert not any(r["default"] for r in sweep)  # warps None is the default; none swept
     state = [r for r in payload["records"] if r["what"] == "chunk_state (sweep)"]
-    assert [(r["block_s"], r["block_p"], r["block_n"], r["default"]) for r in state] == [
-        (64, 32, 32, True), (16, 8, 8, False)]  # at the first placement only
-    passing = [r for r in payload["records"] if r["what"] == "state_passing (sweep)"]
-    assert [(r["block_p"], r["block_n"], r["default"]) for r in passing] == [(8, 8, False)]
+    assert [(r["block_s"], r["block_p"], r["block_n"], r["occupancy"], r["default"])
+            for r in state] == [(64, 32, 32, None, True), (16, 8, 8, 2, False)]  # at the first
+    passing = [r for r in payload["records"] if r["what"] == "state_passing (sweep)"]  # placement
+    assert [(r["block_p"], r["block_n"], r["occupancy"], r["default"]) for r in passing] == [
+        (8, 8, 4, False)]
     assert "chunk_state's backward by" in BS.table(payload)
     assert "state_passing's backward by" in BS.table(payload)
     for dprev in BS.PLACEMENTS:  # the torch table has no fold: its four stages each time
@@ -157,10 +159,12 @@ def test_breakdown_of_the_folded_stages_counts_the_walk_once():
                                          (["--dprev", "both"],
                                           r"--dprev: \['both'\] not of walk, kernel, fold"),
                                          (["--state-tiles", "64x32"],
-                                          r"--state-tiles: \[\(64, 32\)"),
-                                         (["--state-tiles", "64xax32"], "not NxNxN"),
+                                          r"--state-tiles: \[\(64, 32, None\)\] not 3"),
+                                         (["--state-tiles", "64xax32"], r"not NxNxN\[@O\]"),
                                          (["--passing-tiles", "64x48"],
-                                          r"--passing-tiles: \[\(64, 48\)\] not 2")])
+                                          r"--passing-tiles: \[\(64, 48, None\)\] not 2"),
+                                         (["--passing-tiles", "64x64@0"],
+                                          "the occupancy after @ is 1..32")])
 def test_bad_arguments_are_refused_by_name(argv, match, capsys):
     with pytest.raises(SystemExit):
         BS.main(argv)

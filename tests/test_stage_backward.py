@@ -231,3 +231,27 @@ def test_the_torch_walk_refuses_an_unformed_dprev_states():
     args, kw = stage_arguments()["state_passing"]
     with pytest.raises(TypeError, match="^dprev_states: an EnteringGradient"):
         TB.TORCH_BACKWARDS.state_passing(*entering(args), **kw)
+
+
+def test_walk_and_chunk_state_take_their_occupancy_hints():
+    """PassingBackwardConfig.occupancy and StateBackwardConfig.occupancy reach the kernels'
+    compiler options (None: the compiler's choice); out-of-range hints are refused."""
+    from ssd.config import PassingBackwardConfig, StateBackwardConfig
+
+    args = stage_arguments()
+    table = TB.cutile_backwards()
+    for hint in (None, 4):
+        with launch.capture() as records:
+            for stage, config in (("state_passing", PassingBackwardConfig(occupancy=hint)),
+                                  ("chunk_state", StateBackwardConfig(occupancy=hint))):
+                positional, keywords = args[stage]
+                getattr(table, stage)(*positional, **keywords, config=config)
+        hinted = {r.kernel._pyfunc.__name__: r.kernel._compiler_options.occupancy
+                  for r in records}
+        assert hinted == {"state_passing_backward_kernel": hint,
+                          "state_passing_backward_rows_kernel": None,
+                          "chunk_state_backward_dx_kernel": hint,
+                          "chunk_state_backward_dB_kernel": hint}
+    for cls in (PassingBackwardConfig, StateBackwardConfig):
+        with pytest.raises(ValueError, match="occupancy: expected None"):
+            cls(occupancy=0)

@@ -80,11 +80,12 @@ def state_tile(dstates, ib, ic, ih, ip, jn, BLOCK_P, BLOCK_N, dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def build_dx_kernel(index_dtype=ct.int32):
-    """dx, ddt_out and ddA_cumsum, for arrays indexed by ``index_dtype``."""
+def build_dx_kernel(index_dtype=ct.int32, occupancy=None):
+    """dx, ddt_out and ddA_cumsum, for arrays indexed by ``index_dtype``, with the compiler's
+    occupancy hint (None: its own choice)."""
     Array = array_type(index_dtype)
 
-    @ct.kernel
+    @ct.kernel(occupancy=occupancy)
     def chunk_state_backward_dx_kernel(
         dstates: Array,     # (b, c, h, p, n) any float dtype
         B: Array,           # (b, l, g, n)
@@ -163,11 +164,12 @@ def build_dx_kernel(index_dtype=ct.int32):
 
 
 @functools.lru_cache(maxsize=None)
-def build_db_kernel(index_dtype=ct.int32):
-    """dB, summed over each group's heads, for arrays indexed by ``index_dtype``."""
+def build_db_kernel(index_dtype=ct.int32, occupancy=None):
+    """dB, summed over each group's heads, for arrays indexed by ``index_dtype``, with the
+    compiler's occupancy hint (None: its own choice)."""
     Array = array_type(index_dtype)
 
-    @ct.kernel
+    @ct.kernel(occupancy=occupancy)
     def chunk_state_backward_dB_kernel(
         dstates: Array,     # (b, c, h, p, n) any float dtype
         x: Array,           # (b, l, h, p)
@@ -275,12 +277,12 @@ def chunk_state_backward_cutile(dstates, B, x, dt_out, dA_cumsum, seq_idx=None, 
                   heads_per_group=h // g, p_tiles=p_tiles, Q=q, BLOCK_S=block_s,
                   BLOCK_P=block_p, BLOCK_N=block_n, HAS_SEQ=seq is not None)
     index = index_dtype_for(dstates, B, x, dx)
-    launch(build_dx_kernel(index), (b * c, h), dict(
+    launch(build_dx_kernel(index, config.occupancy), (b * c, h), dict(
         shared, B=B, dx_prior=optional(dx_prior, 4, f, dev), dx=dx, ddt_out=ddt_out,
         ddA_cumsum=ddA, n_tiles=n_tiles, ACCUMULATE=dx_prior is not None), device=dev)
     splits = head_splits(b * c * g * n_tiles, h // g, gpu_facts(dev)[1], config.head_splits)
     dB_runs = dB if splits == 1 else torch.empty((b, l, g * splits, n), device=dev, dtype=f)
-    launch(build_db_kernel(index), (b * c, g * splits, n_tiles),
+    launch(build_db_kernel(index, config.occupancy), (b * c, g * splits, n_tiles),
            dict(shared, dB=dB_runs, head_splits=splits), device=dev)
     if splits > 1:  # the runs' parts, added in a fixed order
         torch.sum(dB_runs.view(b, l, g, splits, n), 3, out=dB)

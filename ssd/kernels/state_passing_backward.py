@@ -45,11 +45,12 @@ def seq_at(seq_idx, ib, pos):
 
 
 @functools.lru_cache(maxsize=None)
-def build_kernel(index_dtype=ct.int32):
-    """The reverse walk for arrays indexed by ``index_dtype`` (int64 only for huge inputs)."""
+def build_kernel(index_dtype=ct.int32, occupancy=None):
+    """The reverse walk for arrays indexed by ``index_dtype`` (int64 only for huge inputs), with
+    the compiler's occupancy hint (None: its own choice)."""
     Array = array_type(index_dtype)
 
-    @ct.kernel
+    @ct.kernel(occupancy=occupancy)
     def state_passing_backward_kernel(
         dprev_states: Array,     # (b, c, h, p, n) any float dtype (ignored if FORM_DPREV)
         prev_states: Array,      # (b, c, h, p, n) any float dtype: the forward's entering states
@@ -230,7 +231,8 @@ def state_passing_backward_cutile(dprev_states, prev_states, dA_cumsum, initial_
     parts = torch.empty((b, h, c, slices), device=dev, dtype=torch.float32)
     ddA = torch.empty((b, h, c, q), device=dev, dtype=f)
     dfinal = None if dfinal_states is None else dfinal_states.contiguous()
-    kernel = build_kernel(index_dtype_for(dprev_states, prev_states, dstates, dy, C))
+    kernel = build_kernel(index_dtype_for(dprev_states, prev_states, dstates, dy, C),
+                          config.occupancy)
     launch(kernel, (b, h, slices), dict(
         dprev_states=optional(dprev_states, 5, torch.float32, dev), prev_states=prev_states,
         dA_cumsum=dA_cumsum, dfinal_states=optional(dfinal, 4, torch.float32, dev),

@@ -118,9 +118,9 @@ def timed(fn, reps) -> dict:
 #: The fields of ScanBackwardConfig the sweep varies, in the order the table prints them.
 SWEPT = ("head_splits", "block_q", "rows_block_q", "warps")
 #: The fields of StateBackwardConfig chunk_state's sweep sets (--state-tiles SxPxN).
-STATE_SWEPT = ("block_s", "block_p", "block_n")
+STATE_SWEPT = ("block_s", "block_p", "block_n", "occupancy")
 #: The fields of PassingBackwardConfig state_passing's sweep sets (--passing-tiles PxN).
-PASSING_SWEPT = ("block_p", "block_n")
+PASSING_SWEPT = ("block_p", "block_n", "occupancy")
 
 
 def where_dprev_forms(where: str) -> StageBackwards:
@@ -143,8 +143,9 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
     chunk size with dprev_states formed where each of ``dprev`` says (:func:`where_dprev_forms`;
     "fold" times chunk_scan's and chunk_state's folded call), chunk_scan's at every combination of
     ``sweep`` ({field of :data:`SWEPT`: values}), chunk_state's at each of ``state_tiles``
-    ((block_s, block_p, block_n) of StateBackwardConfig) and state_passing's at each of
-    ``passing_tiles`` ((block_p, block_n) of PassingBackwardConfig: its walk's state slices), the
+    ((block_s, block_p, block_n, occupancy) of StateBackwardConfig) and state_passing's at each
+    of ``passing_tiles`` ((block_p, block_n, occupancy) of PassingBackwardConfig: its walk's
+    state slices and hint), the
     sweeps at dprev's first; return the payload (records, settings)."""
     import dataclasses
     import itertools
@@ -256,7 +257,7 @@ def table(payload) -> str:
         if rows:
             lines.append(f"{stage}'s backward by " + ", ".join(fields) + " (* the defaults)")
         for r in rows:
-            point = " ".join(f"{r[k]:>5d}" for k in fields)
+            point = " ".join(f"{str(r[k]):>5s}" for k in fields)
             lines.append(f"{r['shape']:13s} {r['chunk_size']:4d} {point}"
                          f"{'*' if r['default'] else ' '} {r['median_ms']:9.3f}")
     return "\n".join(lines)
@@ -287,10 +288,11 @@ def main(argv=None) -> int:
                              "first")
     parser.add_argument("--state-tiles", default="",
                         help="chunk_state's backward also at these block_s x block_p x block_n, "
-                             "e.g. 64x32x32,64x64x64")
+                             "each with an occupancy hint after @ or none, e.g. "
+                             "64x32x32,64x64x64@2")
     parser.add_argument("--passing-tiles", default="",
-                        help="state_passing's backward also at these block_p x block_n, e.g. "
-                             "32x64,64x128")
+                        help="state_passing's backward also at these block_p x block_n[@O], e.g. "
+                             "32x64,64x64@4")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="output JSON (default _build/backward_stages/<gpu>.json)")
     args = parser.parse_args(argv)
@@ -315,15 +317,18 @@ def main(argv=None) -> int:
     tiles = {}
     for flag, size in (("state_tiles", 3), ("passing_tiles", 2)):
         option = "--" + flag.replace("_", "-")
-        try:
-            tiles[flag] = [tuple(int(v) for v in t.split("x"))
+        try:  # NxN[@O]: the tiles, then the occupancy hint (none: the compiler's choice)
+            tiles[flag] = [(*(int(v) for v in t.partition("@")[0].split("x")),
+                            int(t.partition("@")[2]) if "@" in t else None)
                            for t in getattr(args, flag).split(",") if t]
         except ValueError:
-            parser.error(f"{option}: {getattr(args, flag)!r} is not {'x'.join('N' * size)},... "
-                         "(integers)")
+            parser.error(f"{option}: {getattr(args, flag)!r} is not {'x'.join('N' * size)}[@O],"
+                         "... (integers)")
         if bad := [t for t in tiles[flag]
-                   if len(t) != size or any(v < 8 or v & (v - 1) for v in t)]:
+                   if len(t) != size + 1 or any(v < 8 or v & (v - 1) for v in t[:-1])]:
             parser.error(f"{option}: {bad} not {size} powers of two of at least 8")
+        if bad := [t for t in tiles[flag] if t[-1] is not None and not 1 <= t[-1] <= 32]:
+            parser.error(f"{option}: {bad}: the occupancy after @ is 1..32")
     dprev = tuple(args.dprev.split(","))
     if bad := [d for d in dprev if d not in PLACEMENTS]:
         parser.error(f"--dprev: {bad} not of {', '.join(PLACEMENTS)}")
