@@ -124,14 +124,15 @@ def test_breakdown_adds_up_and_the_table_marks_the_default():
     records = [dict(where, what=k, median_ms=v, head_splits=4 if k == "chunk_scan" else None)
                for k, v in ms.items()]
     records += [dict(where, what="chunk_scan (sweep)", head_splits=s, block_q=64,
-                     rows_block_q=None, warps=8, default=s == 4, median_ms=0.6 / s)
+                     rows_block_q=None, warps=8, occupancy=None, default=s == 4,
+                     median_ms=0.6 / s)
                 for s in (1, 4)]
     (row,) = BS.breakdown(records)
     assert row["stages"] == pytest.approx(0.85) and row["backward"] == pytest.approx(1.0)
     assert row["between stages"] == pytest.approx(0.15)
     text = BS.table(dict(records=records, settings=dict(reps=30)))
-    assert "    4    64  None     8*     0.150" in text
-    assert "    1    64  None     8      0.600" in text
+    assert "    4    64  None     8  None*     0.150" in text
+    assert "    1    64  None     8  None      0.600" in text
 
 
 def test_breakdown_of_the_folded_stages_counts_the_walk_once():
@@ -156,6 +157,7 @@ def test_breakdown_of_the_folded_stages_counts_the_walk_once():
                                          (["--block-q", "48"], r"--block-q: \[48\]"),
                                          (["--rows-block-q", "4"], r"--rows-block-q: \[4\]"),
                                          (["--warps", "6"], r"--warps: \[6\]"),
+                                         (["--occupancy", "0"], r"--occupancy: \[0\]"),
                                          (["--dprev", "both"],
                                           r"--dprev: \['both'\] not of walk, kernel, fold"),
                                          (["--state-tiles", "64x32"],

@@ -8,8 +8,8 @@ kept (:func:`stage_calls`), then times each stage's backward alone on exactly th
 ``chunk_scan`` (its kernels and the gate and skip around them), ``state_passing``,
 ``chunk_state``, ``chunk_cumsum``. Beside them: the forward, and the forward + backward, so that
 "between stages" (the backward's sums and casts outside the stages) is what is left. With
-``--head-splits``, ``--block-q``, ``--rows-block-q`` or ``--warps`` it also times
-``chunk_scan``'s backward at every combination of those values of ``ScanBackwardConfig``'s
+``--head-splits``, ``--block-q``, ``--rows-block-q``, ``--warps`` or ``--occupancy`` it also
+times ``chunk_scan``'s backward at every combination of those values of ``ScanBackwardConfig``'s
 fields (the others at their defaults; head splits that do not divide a shape's heads per group
 are skipped), the defaults' point marked: the knobs that trade blocks for a buffer
 (``head_splits``) and registers for spills (tiles and warps; ``ScanBackwardConfig``'s docstring
@@ -116,7 +116,7 @@ def timed(fn, reps) -> dict:
 
 
 #: The fields of ScanBackwardConfig the sweep varies, in the order the table prints them.
-SWEPT = ("head_splits", "block_q", "rows_block_q", "warps")
+SWEPT = ("head_splits", "block_q", "rows_block_q", "warps", "occupancy")
 #: The fields of StateBackwardConfig chunk_state's sweep sets (--state-tiles SxPxN).
 STATE_SWEPT = ("block_s", "block_p", "block_n", "occupancy")
 #: The fields of PassingBackwardConfig state_passing's sweep sets (--passing-tiles PxN).
@@ -281,6 +281,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows-block-q", default="",
                         help="and these tiles of its rows kernel alone, e.g. 32,64")
     parser.add_argument("--warps", default="", help="and these warp counts (4, 8)")
+    parser.add_argument("--occupancy", default="", help="and these occupancy hints (1..32)")
     parser.add_argument("--dprev", default="walk,kernel,fold",
                         help="where dprev_states forms: walk (state_passing's, the default), "
                              "kernel (chunk_scan's states kernel), fold (the walk, chunk_state's "
@@ -303,8 +304,8 @@ def main(argv=None) -> int:
         chunks = tuple(int(v) for v in args.chunks.split(","))
         sweep = {k: tuple(int(v) for v in getattr(args, k).split(",") if v) for k in SWEPT}
     except ValueError as exc:
-        parser.error(f"--chunks, --head-splits, --block-q, --rows-block-q, --warps: "
-                     f"comma-separated integers ({exc})")
+        parser.error(f"--chunks, --head-splits, --block-q, --rows-block-q, --warps, "
+                     f"--occupancy: comma-separated integers ({exc})")
     if bad := [q for q in chunks if q not in (16, 32, 64, 128, 256)]:
         parser.error(f"--chunks: {bad} not in 16, 32, 64, 128, 256")
     if bad := [s for s in sweep["head_splits"] if s < 1]:
@@ -314,6 +315,8 @@ def main(argv=None) -> int:
             parser.error(f"--{name.replace('_', '-')}: {bad} not powers of two of at least 8")
     if bad := [v for v in sweep["warps"] if v not in (4, 8)]:
         parser.error(f"--warps: {bad} not 4 or 8")
+    if bad := [v for v in sweep["occupancy"] if not 1 <= v <= 32]:
+        parser.error(f"--occupancy: {bad} not in 1..32")
     tiles = {}
     for flag, size in (("state_tiles", 3), ("passing_tiles", 2)):
         option = "--" + flag.replace("_", "-")
