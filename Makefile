@@ -112,7 +112,7 @@ gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-servi
   gpu-results
 gpu-check:
 	$(GPU_PYTHON) -m ssd doctor
-	$(GPU_PYTHON) -m pytest -m gpu -n auto -q tests/
+	$(GPU_PYTHON) -m pytest -m gpu -n auto --dist loadgroup -q tests/
 	$(GPU_PYTHON) -m ssd.tools.bench --suite first-call
 gpu-models-1:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30 --shapes $(MODELS_1) --merge

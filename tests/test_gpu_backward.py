@@ -346,3 +346,56 @@ def test_matches_mamba_ssm_backward_where_it_is_correct(name, gpu_record):
                 failures.append(f"{key}: ours vs mamba_ssm {diff:.3e}")
         gpu_record.append(row)
     assert not failures, f"{spec} [seed {seed}]: " + "; ".join(failures)
+
+
+# one worker runs the large tests one after another (--dist loadgroup): side by side they
+# would not fit in an 80 GB card
+@pytest.mark.xdist_group("large")
+@pytest.mark.skipif(os.environ.get("SSD_SKIP_LARGE") == "1", reason="SSD_SKIP_LARGE=1")
+@pytest.mark.parametrize("fold", [False, True], ids=["stages", "fold"])
+def test_backward_past_2_31_elements(fold, gpu_record):
+    """b8 x 65,536 tokens x 80 heads x headdim 64 x dstate 128 in bf16 at chunk 256: x, dx and
+    dy have 2.7 G elements and the (b, c, h, p, n) state gradients as many, so every backward
+    kernel indexes with int64. Checked on the last batch row's last four heads (the highest
+    offsets), whose dx and ddt depend on their own inputs and the shared B and C alone, against
+    the float64 reference of that slice (dA and dD sum over every batch row, and dB and dC over
+    every head: no slice holds them); with chunk_state's backward as its own stage and folded
+    into chunk_scan's kernels."""
+    import math
+
+    import ssd
+    from ssd.backward import cutile_backwards
+
+    b, l, h, p, n, q = 8, 65536, 80, 64, 128, 256
+    gen = torch.Generator(device="cuda").manual_seed(seed_for("bwd-large"))
+    bf16 = torch.bfloat16
+    x = torch.randn(b, l, h, p, device="cuda", dtype=bf16, generator=gen)
+    assert x.numel() > 2**31
+    B, C = (torch.randn(b, l, 1, n, device="cuda", dtype=bf16, generator=gen) for _ in range(2))
+    dt = torch.exp(torch.empty(b, l, h, device="cuda").uniform_(
+        math.log(1e-3), math.log(1e-1), generator=gen)).to(bf16)
+    A = -torch.exp(torch.empty(h, device="cuda").uniform_(0, math.log(16), generator=gen))
+    D = torch.randn(h, device="cuda")
+    dy = torch.randn(b, l, h, p, device="cuda", dtype=bf16, generator=gen)
+    leaves = {k: v.requires_grad_() for k, v in dict(x=x, dt=dt).items()}
+    y = ssd.mamba_chunk_scan_combined(leaves["x"], leaves["dt"], A, B, C, q, D=D,
+                                      backwards=cutile_backwards(fold=fold))
+    dx, ddt = torch.autograd.grad(y, [leaves["x"], leaves["dt"]], dy)
+    del y
+    torch.cuda.synchronize()
+    heads = slice(h - 4, h)
+    spec = ProblemSpec(1, l, 4, p, n, 1, chunk_size=q, D="h", name="large-slice")
+    inputs = {"x": x[-1:, :, heads].detach(), "dt": dt[-1:, :, heads].detach(),
+              "A": A[heads].detach(), "B": B[-1:], "C": C[-1:], "D": D[heads].detach()}
+    dy_slice = dy[-1:, :, heads]
+    want = spec.reference_backward(host_inputs(inputs), {"dy": as_float64(dy_slice)})
+    got = {"dx": dx[-1:, :, heads], "ddt": ddt[-1:, :, heads]}
+    failures = []
+    for key, out in got.items():
+        check = check_gradient(key, out, want[key], "bfloat16")
+        gpu_record.append(dict(test=f"large/2.7G/{'fold' if fold else 'stages'}",
+                               record="backward", shape="b8-l65536-h80-p64-n128",
+                               dtype="bfloat16", **check.fields(), x_numel=x.numel()))
+        if not check.ok:
+            failures.append(check.failure())
+    assert not failures, "; ".join(failures)

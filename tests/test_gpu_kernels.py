@@ -447,6 +447,9 @@ def test_matches_mamba_ssm_where_it_is_correct(gpu_record, name):
     assert all(c.ok for c in checks.values()), "; ".join(c.failure() for c in checks.values())
 
 
+# one worker runs the large tests one after another (--dist loadgroup): side by side they
+# would not fit in an 80 GB card
+@pytest.mark.xdist_group("large")
 @pytest.mark.skipif(os.environ.get("SSD_SKIP_LARGE") == "1", reason="SSD_SKIP_LARGE=1")
 @pytest.mark.parametrize("q,config", [(256, None), (64, ONEKERNEL)], ids=["q256", "one-kernel"])
 def test_more_than_2_31_elements(gpu_record, q, config):
