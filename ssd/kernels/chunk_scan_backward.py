@@ -282,8 +282,9 @@ def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq
 
             col = chunk_row(ddA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T] the column part
             if FOLD:
-                dda = dda + ct.where(last_col, state_sum(state_total, ib, ih, ic, COLUMN_TILES),
-                                     0.0)
+                if it == q_tiles - 1:  # the row block that holds the last column
+                    dda = dda + ct.where(
+                        last_col, state_sum(state_total, ib, ih, ic, COLUMN_TILES), 0.0)
             ct.store(ddA_cumsum, index=(ib, ih, ic, it),
                      tile=(col + dda).reshape((1, 1, 1, BLOCK_Q)))
             if REBUILD_Y:
