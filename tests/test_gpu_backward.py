@@ -217,14 +217,18 @@ def test_torch_backward_path(name, gpu_record):
                    seed_for("torch-path" + name), backwards=TORCH_BACKWARDS)
 
 
-def test_bitwise_identical_reruns():
+@pytest.mark.parametrize("fold", [False, True], ids=["stages", "fold"])
+def test_bitwise_identical_reruns(fold):
     """The backward is deterministic: the cuTile stage kernels sum in a fixed order (two passes,
-    no atomics) and the PyTorch ops are deterministic: two runs give the same bits."""
+    no atomics; folded, each chunk's last-column sum through a buffer of parts) and the PyTorch
+    ops are deterministic: two runs give the same bits."""
+    from ssd.backward import cutile_backwards
+
     spec = EDGE_SHAPES["all-features"].replace(seqlen=300, chunk_size=64)
     inputs = device_inputs(spec, seed_for("bwd-rerun"), "bfloat16")
     dy, dfinal = upstream(spec, seed_for("bwd-rerun"), "bfloat16")
-    first = api_gradients(spec, inputs, dy, dfinal)
-    second = api_gradients(spec, inputs, dy, dfinal)
+    first, second = (api_gradients(spec, inputs, dy, dfinal, backwards=cutile_backwards(fold))
+                     for _ in range(2))
     for key in first:
         assert torch.equal(first[key], second[key]), f"{key} differs between two runs"
 
