@@ -2,7 +2,8 @@
 
 ``ssd.mamba_chunk_scan_combined`` with inputs that require grad -- the cuTile forward inside
 ``ssd.autograd.ChunkScanCombined``, the backward of ``ssd.backward`` (its default table on a GPU:
-every stage's cuTile kernels; one test forces PyTorch throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
+every stage's cuTile kernels; some tests take chunk_state's backward folded into chunk_scan's
+kernels, ``cutile_backwards(fold=True)``; one forces PyTorch throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
 device inputs and the rounded upstream gradients, on fresh random inputs (a new seed per run,
 printed on failure; ``SSD_TEST_SEED`` replays one).
 
