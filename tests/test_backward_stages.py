@@ -94,9 +94,13 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     monkeypatch.setattr(bench, "make_inputs", functools.partial(MAKE_INPUTS, device="cpu"))
     monkeypatch.setattr(api, "mamba_chunk_scan_combined", forward)
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
+    lines = []
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
                      reps=3, state_tiles=[(64, 32, 32, None), (16, 8, 8, 2)],
-                     passing_tiles=[(8, 8, 4)])
+                     passing_tiles=[(8, 8, 4)], progress=lines.append)
+    assert len(lines) == len(payload["records"])  # a line as each record is taken
+    assert "small q16 walk chunk_state (sweep) block_s=16 block_p=8 block_n=8 occupancy=2: " \
+        "1.000 ms" in lines
     assert chosen == ["walk", "kernel", "fold"]  # dprev_states formed in the walk, by the states
     # kernel, in the walk with chunk_state folded into chunk_scan
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]

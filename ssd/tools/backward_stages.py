@@ -138,7 +138,7 @@ def where_dprev_forms(where: str) -> StageBackwards:
 
 
 def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
-        state_tiles=(), passing_tiles=()) -> dict:
+        state_tiles=(), passing_tiles=(), progress=None) -> dict:
     """Time every stage's backward, the forward and the forward + backward of each shape at each
     chunk size with dprev_states formed where each of ``dprev`` says (:func:`where_dprev_forms`;
     "fold" times chunk_scan's and chunk_state's folded call), chunk_scan's at every combination of
@@ -146,7 +146,8 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
     ((block_s, block_p, block_n, occupancy) of StateBackwardConfig) and state_passing's at each
     of ``passing_tiles`` ((block_p, block_n, occupancy) of PassingBackwardConfig: its walk's
     state slices and hint), the
-    sweeps at dprev's first; return the payload (records, settings)."""
+    sweeps at dprev's first; return the payload (records, settings). ``progress``: called with a
+    line for each record as it is taken (a run cut short still shows what it measured)."""
     import dataclasses
     import itertools
 
@@ -158,14 +159,22 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
     from .bench import make_inputs
 
     records, sweep = [], sweep or {}
+
+    def add(record):
+        records.append(record)
+        if progress:
+            keys = dict.fromkeys((*SWEPT[:-1], *STATE_SWEPT, *PASSING_SWEPT))  # occupancy last
+            point = "".join(f" {k}={record[k]}" for k in keys if record.get(k) is not None)
+            progress(f"{record['shape']} q{record['chunk_size']} {record['dprev']} "
+                     f"{record['what']}{point}: {record['median_ms']:.3f} ms")
     for shape, q, where_dprev in itertools.product(shapes, chunks, dprev):
         backwards = where_dprev_forms(where_dprev)
         where = dict(shape=shape.name, dims=list(shape.dims), chunk_size=q, dprev=where_dprev)
         calls = stage_calls(shape, q, backwards=backwards)
         default, tried = head_split_choices(shape, q, sweep.get("head_splits", ()))
         for stage, (fn, args, kwargs) in calls.items():
-            records.append(dict(where, what=stage, **timed(backward_call(fn, args, kwargs), reps),
-                                head_splits=default if stage in ("chunk_scan", "fold") else None))
+            add(dict(where, what=stage, **timed(backward_call(fn, args, kwargs), reps),
+                     head_splits=default if stage in ("chunk_scan", "fold") else None))
         scan = "fold" if "fold" in calls else "chunk_scan"
         fn, args, kwargs = calls[scan]
         base = ScanBackwardConfig(head_splits=default, dprev_in_walk=where_dprev != "kernel")
@@ -175,8 +184,8 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
         for point in itertools.product(*values) if swept else ():
             config = dataclasses.replace(base, **dict(zip(SWEPT, point)))
             stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
-            records.append(dict(where, what=f"{scan} (sweep)", **dict(zip(SWEPT, point)),
-                                default=config == base, **stats))
+            add(dict(where, what=f"{scan} (sweep)", **dict(zip(SWEPT, point)),
+                     default=config == base, **stats))
         for stage, cls, fields, points in (
                 ("chunk_state", StateBackwardConfig, STATE_SWEPT, state_tiles),
                 ("state_passing", PassingBackwardConfig, PASSING_SWEPT, passing_tiles)):
@@ -184,8 +193,8 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
             for tiles in points if where_dprev == dprev[0] and fn else ():
                 config = cls(**dict(zip(fields, tiles)))
                 stats = timed(backward_call(fn, args, dict(kwargs, config=config)), reps)
-                records.append(dict(where, what=f"{stage} (sweep)", **dict(zip(fields, tiles)),
-                                    default=config == cls(), **stats))
+                add(dict(where, what=f"{stage} (sweep)", **dict(zip(fields, tiles)),
+                         default=config == cls(), **stats))
         leaves = leaves_of(make_inputs(shape))
         x, dt, A, B, C, D, bias = (leaves[k] for k in LEAVES)
 
@@ -195,7 +204,7 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
 
         for what, fn in (("forward", inference(forward)),
                          ("forward+backward", training_step(forward, leaves, upstream(shape)))):
-            records.append(dict(where, what=what, **timed(fn, reps)))
+            add(dict(where, what=what, **timed(fn, reps)))
         del calls, leaves
         torch.cuda.empty_cache()
     settings = dict(reps=reps, warmup=5, mode="graph (eager where a record says so)",
@@ -338,7 +347,9 @@ def main(argv=None) -> int:
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
     payload = dict(run(shapes, chunks, {k: v for k, v in sweep.items() if v}, args.reps, dprev,
-                       tiles["state_tiles"], tiles["passing_tiles"]), environment=env)
+                       tiles["state_tiles"], tiles["passing_tiles"],
+                       progress=lambda line: print(line, file=sys.stderr, flush=True)),
+                   environment=env)
     out = args.out or ROOT / "_build" / "backward_stages" / f"{gpu_slug(env['gpu'])}.json"
     write_json(out, payload)
     print(table(payload))
