@@ -189,9 +189,11 @@ def extra_peak_mb(fn) -> float:
 
 
 def run(shapes, *, impls=DEFAULT_IMPLS, chunks=SUITE_CHUNKS, modes=("graph", "eager"),
-        l2="flushed", reps=30, dtype="bfloat16") -> dict:
+        l2="flushed", reps=30, dtype="bfloat16", progress=None) -> dict:
     """Gate, measure memory, then time every implementation on every shape; return the payload
-    (records, failures, skipped, mamba_ssm_configs, tilegym_configs, settings)."""
+    (records, failures, skipped, mamba_ssm_configs, tilegym_configs, settings). ``progress``:
+    called with a line for each time taken and each failure (a run cut short still shows what
+    it measured)."""
     import torch
 
     from . import peers
@@ -228,9 +230,13 @@ def run(shapes, *, impls=DEFAULT_IMPLS, chunks=SUITE_CHUNKS, modes=("graph", "ea
                     continue
                 except Exception as exc:  # a peer that crashes is a result, not a harness error
                     failures.append(dict(where, error=f"{type(exc).__name__}: {exc}"[:400]))
+                    if progress:
+                        progress(f"{shape.name} {impl} q{q}: FAILED {failures[-1]['error']}")
                     continue
                 if not checked.pop("ok"):
                     failures.append(dict(where, error="correctness gate", **checked))
+                    if progress:
+                        progress(f"{shape.name} {impl} q{q}: FAILED the correctness gate")
                     continue
                 if impl == "tilegym_tuned":
                     checked["tuning"] = "searched"  # first_call_s holds the search
@@ -245,6 +251,9 @@ def run(shapes, *, impls=DEFAULT_IMPLS, chunks=SUITE_CHUNKS, modes=("graph", "ea
                         records.append(dict(where, what=what, mode=mode, l2=l2, **stats,
                                             **checked, first_call_s=first_s,
                                             extra_peak_mb=extra))
+                        if progress:
+                            progress(f"{shape.name} {impl} q{q} {what} {mode}: "
+                                     f"{stats['median_ms']:.3f} ms, {extra:.0f} MB extra")
         if "mamba_ssm" in table:
             tuned[shape.name] = peers.mamba_ssm_configs()
         ran = {name: peers.tilegym_configs(tuned=name == "tilegym_tuned")
@@ -369,7 +378,8 @@ def main(argv=None) -> int:
     env = environment()
     shapes = [s for s in SUITES["models"] if s.name in wanted]
     payload = run(shapes, impls=tuple(args.impl or DEFAULT_IMPLS), chunks=args.chunks,
-                  modes=modes, l2=args.l2, reps=args.reps)
+                  modes=modes, l2=args.l2, reps=args.reps,
+                  progress=lambda line: print(line, file=sys.stderr, flush=True))
     payload["environment"] = env
     path = Path(args.out or RESULTS / gpu_slug(env) / "backward.json")
     if args.merge:
