@@ -127,6 +127,56 @@ def test_shapes(name, dtype, gpu_record):
     check(SHAPES[name], dtype, gpu_record, f"chunk_scan/{name}", seed_for(name + dtype))
 
 
+FOLD_CASES = ([(name, "bfloat16", None) for name in ("all-features", "seq-idx-mid-chunk",
+                                                      "l-not-multiple", "ngroups-8", "q128-tiles",
+                                                      "q256-tiles")]
+              + [(name, dtype, None) for name in ("all-features", "q256-tiles")
+                 for dtype in ("float32", "float16")]
+              + [(name, "bfloat16", SMALL_TILES) for name in ("all-features", "q128-tiles")])
+
+
+@pytest.mark.parametrize("name, dtype, config", FOLD_CASES)
+def test_chunk_state_folds_into_the_kernels(name, dtype, config, gpu_record):
+    """Given state_passing's backward as ``walk``, the kernels add chunk_state's backward
+    (``fold_state``): dx (in x's dtype), dB, ddt_out and ddA_cumsum hold both stages' parts.
+    Against the float64 functions on the same values: chunk_scan's, and chunk_state's from the
+    dstates the walk returned (its own check is tests/test_gpu_stage_backward.py's)."""
+    from ssd.backward import chunk_scan_backward_cutile, chunk_state_backward_torch
+    from ssd.kernels.state_passing_backward import state_passing_backward_cutile
+
+    spec, seed = SHAPES[name], seed_for("fold" + name + dtype)
+    args = stage_inputs(spec, seed, dtype)
+    x_dtype = args["x"].dtype
+
+    def walk(dprev_states):
+        return state_passing_backward_cutile(dprev_states, args["prev_states"], args["dA_cumsum"],
+                                             None, args["seq_idx"], dstates_dtype=x_dtype)
+
+    with poisoned_memory():
+        got = chunk_scan_backward_cutile(**args, config=config or ScanBackwardConfig(),
+                                         walk=walk, dx_dtype=x_dtype)
+    torch.cuda.synchronize()
+    want = torch_reference(args)
+    want.pop("dprev_states")
+    cpu = {k: None if args[k] is None else args[k].cpu() for k in ("B", "x", "seq_idx")}
+    state = chunk_state_backward_torch(
+        got["passing"]["dstates"].cpu().double(), cpu["B"].double(), cpu["x"].double(),
+        args["dt_out"].cpu().double(), args["dA_cumsum"].cpu().double(), cpu["seq_idx"])
+    for key in ("dx", "dB", "ddt_out", "ddA_cumsum"):
+        want[key] = want[key] + state[key].numpy()
+    assert got["dx"].dtype == x_dtype and sorted(got) == sorted([*want, "passing"])
+    failures = []
+    for key, ref in want.items():
+        result = check_gradient(key, got[key], ref, dtype)
+        gpu_record.append(dict(test=f"chunk_scan/fold/{name}", record="backward",
+                               kind="stage/chunk_scan", shape=spec.name, dims=list(spec.dims),
+                               chunk_size=spec.chunk_size, dtype=dtype, **result.fields(),
+                               seed=seed))
+        if not result.ok:
+            failures.append(result.failure())
+    assert not failures, f"{spec} [{dtype}, seed {seed}]: " + "; ".join(failures)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["all-features", "seq-idx-mid-chunk", "l-not-multiple",
                                   "ngroups-gt-1", "headdim-not-pow2"])
