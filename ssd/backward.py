@@ -570,16 +570,21 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
         zf, sig = _gate(z, f)
         dy_ssm = dy * zf * sig
         del zf, sig  # formed again after the kernels: two fp32 (b, l, h, p) tensors not held
-    passing = None
-    if walk is not None:  # the walk first: the kernels read the state gradient it forms
-        passing = walk(EnteringGradient(dy_ssm if z is None else dy_ssm.to(C.dtype), C, seq_last))
+
+    def entering(dy_ssm):  # chunk_scan's (dy, C) as the walk reads them: in the MMA's dtype
+        return EnteringGradient(dy_ssm if z is None else dy_ssm.to(C.dtype), C, seq_last)
+
+    # with walk, the walk first: the kernels read the state gradient it forms
+    passing = None if walk is None else walk(entering(dy_ssm))
     out = chunk_scan_backward(dy_ssm, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx, seq_last,
                               config, rebuild_y=z is not None, D=D,
                               dstates=None if passing is None else passing["dstates"],
                               dx_dtype=dx_dtype if passing is not None else None)
+    # unformed: state_passing's walk forms it from (dy, C)
+    if passing is None and out["dprev_states"] is None:
+        out["dprev_states"] = entering(dy_ssm)
+    del dy_ssm  # with z an fp32 (b, l, h, p) temporary, not held through the gate's gradient
     if z is not None:
-        # a temporary: kept for the walk only, in the MMA's dtype the walk reads it in
-        dy_ssm = dy_ssm.to(C.dtype) if out["dprev_states"] is None and passing is None else None
         y_pre = out.pop("y_ssm")
         if D is not None:
             y_pre += _skip(D, f) * x
@@ -587,8 +592,6 @@ def chunk_scan_backward_cutile(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=No
     if passing is not None:
         del out["dprev_states"]  # formed and consumed in the walk
         out["passing"] = passing
-    elif out["dprev_states"] is None:  # unformed: state_passing's walk forms it from (dy, C)
-        out["dprev_states"] = EnteringGradient(dy_ssm, C, seq_last)
     return out
 
 
@@ -684,10 +687,9 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
     if stage.fold is not None:  # 4, 3 and 2 in one call: the walk, then both stages' kernels
         scan = stage.fold(dy, B, C, x, dt_out, dA_cumsum, prev_states, D, z, seq_idx, walk=walk,
                           dx_dtype=dx_dtype)
-        passing = scan.pop("passing")
-        state = scan  # chunk_state's parts are in chunk_scan's gradients
+        passing = scan.pop("passing")  # chunk_state's parts are in chunk_scan's gradients
         ddt_out, ddA_cumsum = scan["ddt_out"], scan["ddA_cumsum"] + passing["ddA_cumsum"]
-        dB = scan["dB"]
+        dx, dB = scan["dx"], scan["dB"]
     else:
         # 4. chunk_scan: the outputs' gradients reach x, B, C, D, z, dt', dA_cumsum and the
         #    entering states
@@ -699,12 +701,11 @@ def ssd_chunked_backward(dy, x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias
                                   dx_prior=scan.pop("dx"), dx_dtype=dx_dtype)
         ddt_out = scan["ddt_out"] + state["ddt_out"]
         ddA_cumsum = scan["ddA_cumsum"] + passing["ddA_cumsum"] + state["ddA_cumsum"]
-        dB = scan["dB"] + state["dB"]
+        dx, dB = state["dx"], scan["dB"] + state["dB"]
     # 1. chunk_cumsum: every stage's dt' and dA_cumsum gradients, back to dt, A, dt_bias
     cumsum = stage.chunk_cumsum(ddt_out, ddA_cumsum, dt, A, chunk_size, dt_bias, dt_softplus,
                                 dt_limit, dt_out=dt_out)
-    out = {"dx": state["dx"], "ddt": cumsum["ddt"], "dA": cumsum["dA"], "dB": dB,
-           "dC": scan["dC"]}
+    out = {"dx": dx, "ddt": cumsum["ddt"], "dA": cumsum["dA"], "dB": dB, "dC": scan["dC"]}
     for key, value in (("dD", scan.get("dD")), ("dz", scan.get("dz")),
                        ("ddt_bias", cumsum.get("ddt_bias")),
                        ("dinitial_states", passing.get("dinitial_states"))):

@@ -119,9 +119,10 @@ def fold_state(dstates, dA_cumsum, ib, ic, ih, js, b_s, x_s, a_s, dt_s, seq_s, s
     ds = ct.load(dstates, index=(ib, ic, ih, 0, 0), shape=(1, 1, 1, P_PAD, N_PAD),
                  padding_mode=ZERO).reshape((P_PAD, N_PAD)).astype(x_s.dtype)  # [P, N]
     dsb = ct.mma(b_s, ct.transpose(ds), ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32))  # [S, P]
-    dw = ct.sum(x_s.astype(ct.float32) * dsb, axis=1)  # [S]
+    xf = x_s.astype(ct.float32)  # [S, P]
+    dw = ct.sum(xf * dsb, axis=1)  # [S]
     # the weight folded into x in fp32, rounded once to the MMA's dtype, as chunk_state's does
-    db = ct.mma((x_s.astype(ct.float32) * w[:, None]).astype(x_s.dtype), ds, db)  # [S, N]
+    db = ct.mma((xf * w[:, None]).astype(x_s.dtype), ds, db)  # [S, N]
     dexp = dw * w  # [S], the gradient of the exponent a_last - a_s
     return (dxs + w[:, None] * dsb, db, dw * decay, -dexp, ct.sum(dexp, axis=0, keepdims=True))
 

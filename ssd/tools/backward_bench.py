@@ -199,6 +199,7 @@ def run(shapes, *, impls=DEFAULT_IMPLS, chunks=SUITE_CHUNKS, modes=("graph", "ea
     from . import peers
 
     records, failures, skipped_all, tuned, tilegym = [], [], {}, {}, {}
+    say = progress or (lambda line: None)
     for shape in shapes:
         inputs = make_inputs(shape, dtype)
         dy = upstream(shape, dtype)
@@ -230,13 +231,11 @@ def run(shapes, *, impls=DEFAULT_IMPLS, chunks=SUITE_CHUNKS, modes=("graph", "ea
                     continue
                 except Exception as exc:  # a peer that crashes is a result, not a harness error
                     failures.append(dict(where, error=f"{type(exc).__name__}: {exc}"[:400]))
-                    if progress:
-                        progress(f"{shape.name} {impl} q{q}: FAILED {failures[-1]['error']}")
+                    say(f"{shape.name} {impl} q{q}: FAILED {failures[-1]['error']}")
                     continue
                 if not checked.pop("ok"):
                     failures.append(dict(where, error="correctness gate", **checked))
-                    if progress:
-                        progress(f"{shape.name} {impl} q{q}: FAILED the correctness gate")
+                    say(f"{shape.name} {impl} q{q}: FAILED the correctness gate")
                     continue
                 if impl == "tilegym_tuned":
                     checked["tuning"] = "searched"  # first_call_s holds the search
@@ -251,9 +250,8 @@ def run(shapes, *, impls=DEFAULT_IMPLS, chunks=SUITE_CHUNKS, modes=("graph", "ea
                         records.append(dict(where, what=what, mode=mode, l2=l2, **stats,
                                             **checked, first_call_s=first_s,
                                             extra_peak_mb=extra))
-                        if progress:
-                            progress(f"{shape.name} {impl} q{q} {what} {mode}: "
-                                     f"{stats['median_ms']:.3f} ms, {extra:.0f} MB extra")
+                        say(f"{shape.name} {impl} q{q} {what} {mode}: "
+                            f"{stats['median_ms']:.3f} ms, {extra:.0f} MB extra")
         if "mamba_ssm" in table:
             tuned[shape.name] = peers.mamba_ssm_configs()
         ran = {name: peers.tilegym_configs(tuned=name == "tilegym_tuned")
