@@ -205,8 +205,11 @@ class ScanBackwardConfig:
     own: it completes the column part of ddA_cumsum position by position, so the two tilings
     need not match. On sm_90 (bf16, q 256, p 64, n 128) the columns kernel is spill-free at
     64 with 8 warps and the rows kernel at 32 with 8 warps, and each spills otherwise
-    (``ssd.tools.aot.resource_usage``). Untimed defaults; fp32 inputs take smaller tiles
-    (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
+    (``ssd.tools.aot.resource_usage``). Defaults: 64-wide tiles, 4 warps and two blocks a SM
+    (the hint), the fastest point of ``python -m ssd.tools.backward_stages --warps 4,8
+    --occupancy 1,2,3,4 --block-q 32,64`` on every models shape on sm_90: without the hint the
+    compiler gives a block 255 registers and one block a SM, which leaves the SM idle while
+    it waits on memory. fp32 inputs take smaller tiles (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
     but where state_passing's backward walk consumes it (``ssd.backward.EnteringGradient``), so
     that its (b, c, h, p, n) fp32 tensor never reaches memory, as the forward's fused stage 2
     keeps the per-chunk states out of memory; ``block_k`` and ``block_n`` then go unused."""
@@ -214,9 +217,9 @@ class ScanBackwardConfig:
     block_q: int = 64
     block_k: int = 64
     block_n: int = 64
-    occupancy: int | None = None
+    occupancy: int | None = 2
     head_splits: int | None = None
-    warps: int | None = None
+    warps: int | None = 4
     rows_block_q: int | None = None
     dprev_in_walk: bool = True
 
@@ -403,8 +406,11 @@ class StateBackwardConfig:
     """chunk_state's backward (:mod:`ssd.kernels.chunk_state_backward`): a block walks one
     chunk ``block_s`` positions at a time, its products over ``block_p`` channels and
     ``block_n`` state entries a tile (both clamped to the problem); dB's blocks walk one of
-    ``head_splits`` runs of a group's heads (as in ScanBackwardConfig). Untimed: 32 x 32 state
-    tiles. On sm_90 (p 64, n 128, chunk 256) bf16 inputs compile spill-free at 32 and 64 in
+    ``head_splits`` runs of a group's heads (as in ScanBackwardConfig). Defaults: 32 x 32 state
+    tiles at four blocks a SM (64 registers a thread, no spill), within a few per cent of the
+    fastest tiling at chunk 64 on sm_90 (``python -m ssd.tools.backward_stages --state-tiles``):
+    the compiler's own choice takes 255 registers and one block a SM for this kernel's many
+    small blocks. On sm_90 (p 64, n 128, chunk 256) bf16 inputs compile spill-free at 32 and 64 in
     either axis; fp32 inputs, whose MMAs run on CUDA cores, spill 2.7 KB a thread in the dx
     kernel even at 32 x 32. ``occupancy``: both kernels' hint, as in StateConfig (None: the
     compiler's choice)."""
@@ -413,7 +419,7 @@ class StateBackwardConfig:
     block_p: int = 32
     block_n: int = 32
     head_splits: int | None = None
-    occupancy: int | None = None
+    occupancy: int | None = 4
 
     def __post_init__(self):
         for name in ("block_s", "block_p", "block_n"):
@@ -428,11 +434,13 @@ class PassingBackwardConfig:
     ``block_p`` x ``block_n`` slice of one head's state gradient (clamped to the problem) and
     walks the chunks from last to first, as the forward's walk does from first to last.
     ``occupancy``: the walk's hint, as in StateConfig (None: the compiler's choice, which on
-    sm_90 takes 255 registers and one or two blocks a SM)."""
+    sm_90 takes 255 registers and one or two blocks a SM). Default: 64 x 64 slices at two
+    blocks a SM, the fastest point of ``python -m ssd.tools.backward_stages --passing-tiles`` on
+    four of the five models shapes on sm_90 (130m: 32 x 64, 10 % faster)."""
 
     block_p: int = 64
     block_n: int = 64
-    occupancy: int | None = None
+    occupancy: int | None = 2
 
     def __post_init__(self):
         _check_pow2("block_p", self.block_p)
@@ -493,7 +501,7 @@ FUSED_SCAN_MAX_WAVES = 2
 def default_config(capability: tuple[int, int] | None = None,
                    problem: tuple[int, int, int, int] | None = None,
                    sms: int | None = None, chunk_size: int | None = None,
-                   seqlen: int | None = None) -> SSDConfig:
+                   seqlen: int | None = None, stores_states: bool = False) -> SSDConfig:
     """Default config for a GPU of compute capability ``capability`` (None: the current GPU,
     or the sm_90 default when there is none). Given the ``problem``'s (batch, heads, headdim,
     dstate) and the GPU's ``sms``, a problem whose fused stage 2 would have fewer than
@@ -509,7 +517,10 @@ def default_config(capability: tuple[int, int] | None = None,
     chunk_scan gets the whole-chunk tiles (loaded once) and occupancy hint of ``CHUNK64_SCAN``;
     and on sm_90 at ``FUSED_SCAN_CHUNK``, a problem whose one-kernel stages 2 and 3 fill the
     GPU (:func:`fused_scan_fills`) gets those (the three stages stay configured for seq_idx):
-    the Performance chapters measure them on the model shapes."""
+    the Performance chapters measure them on the model shapes. ``stores_states`` (a forward whose
+    backward reads every chunk's entering state: ``ssd.autograd``) takes neither the grouped walk
+    nor the one-kernel stages 2 and 3, which keep those states out of memory: the backward would
+    rebuild them in PyTorch, at several times what their kernels save the forward."""
     if capability is None:
         try:
             import torch
@@ -523,7 +534,7 @@ def default_config(capability: tuple[int, int] | None = None,
         blocks = b * h * config.state.slices(p, n)[2]
         one_wave = replace(config.state, **ONE_WAVE_STATE)
         # whole states in groups: measured for 128-wide states only (long-16k)
-        grouped = (sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
+        grouped = (not stores_states and sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
                    and seqlen is not None and -(-seqlen // chunk_size) >= GROUPED_MIN_CHUNKS
                    and config.state.occupancy and SMALL_STATE < n <= one_wave.block_n
                    and b * h * one_wave.slices(p, n)[2] * GROUPED_WALK <= one_wave.occupancy * sms)
@@ -541,7 +552,8 @@ def default_config(capability: tuple[int, int] | None = None,
     if (chunk_size == CHUNK64 and capability[0] in MEASURED_ARCHS and config.scan.occupancy
             and not config.scan.whole_chunk):
         config = replace(config, scan=replace(config.scan, **CHUNK64_SCAN))
-    if problem is not None and sms and fused_scan_fills(config.fused_scan, problem, sms) and (
+    if problem is not None and sms and not stores_states and fused_scan_fills(
+            config.fused_scan, problem, sms) and (
             chunk_size == FUSED_SCAN_CHUNK and capability[0] in MEASURED_ARCHS):
         config = replace(config, fused_scan=replace(config.fused_scan, enabled=True))
     return config

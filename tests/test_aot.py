@@ -596,7 +596,9 @@ def test_backward_mmas_run_on_tensor_cores():
     chunk_scan's kernels: every kernel that multiplies matrices does so with
     tensor-core MMAs (HGMMA), and state_passing's walk and chunk_state's kernels spill nothing.
     Its MMAs take operands in the inputs' dtype; fp32 operands compile to CUDA-core FMUL/FADD,
-    which is what chunk_state's kernels did before they rounded dS."""
+    which is what chunk_state's kernels did before they rounded dS. chunk_state's dx kernel
+    may spill a little (under 128 bytes a thread): its occupancy hint of four blocks a SM caps
+    it at 64 registers, a trade backward_stages times at under half the unhinted kernel's time."""
     mma = {"chunk_scan_backward_columns_kernel", "chunk_scan_backward_rows_kernel",
            "state_passing_backward_kernel", "chunk_state_backward_dx_kernel",
            "chunk_state_backward_dB_kernel"}
@@ -608,6 +610,7 @@ def test_backward_mmas_run_on_tensor_cores():
         cubin = aot.export_cubin(record, "sm_90")
         assert re.search(r"\bHGMMA\.\S+\.BF16\b", aot.sass(cubin)), name
         if not name.startswith("chunk_scan"):  # chunk_scan's spill until their tiles are tuned
-            assert aot.resource_usage(cubin)["stack_bytes"] == 0, name
+            limit = 128 if name == "chunk_state_backward_dx_kernel" else 0
+            assert aot.resource_usage(cubin)["stack_bytes"] <= limit, name
         seen.add(name)
     assert seen == mma

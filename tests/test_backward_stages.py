@@ -96,7 +96,7 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     monkeypatch.setattr(BB, "upstream", functools.partial(UPSTREAM, device="cpu"))
     lines = []
     payload = BS.run([SMALL], chunks=(16,), sweep=dict(head_splits=(1, 2, 3), warps=(4, 8)),
-                     reps=3, state_tiles=[(64, 32, 32, None), (16, 8, 8, 2)],
+                     reps=3, state_tiles=[(64, 32, 32, 4), (16, 8, 8, 2)],
                      passing_tiles=[(8, 8, 4)], progress=lines.append)
     assert len(lines) == len(payload["records"])  # a line as each record is taken
     assert "small q16 walk chunk_state (sweep) block_s=16 block_p=8 block_n=8 occupancy=2: " \
@@ -107,10 +107,11 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
     assert {r["dprev"] for r in sweep} == {"walk"}  # the sweep takes the first placement
     assert sorted((r["head_splits"], r["warps"]) for r in sweep) == [(1, 4), (1, 8), (2, 4),
                                                                      (2, 8)]
-    assert not any(r["default"] for r in sweep)  # warps None is the default; none swept
+    # the default point: head_splits' rule for this shape, 4 warps
+    assert [(r["head_splits"], r["warps"]) for r in sweep if r["default"]] == [(2, 4)]
     state = [r for r in payload["records"] if r["what"] == "chunk_state (sweep)"]
     assert [(r["block_s"], r["block_p"], r["block_n"], r["occupancy"], r["default"])
-            for r in state] == [(64, 32, 32, None, True), (16, 8, 8, 2, False)]  # at the first
+            for r in state] == [(64, 32, 32, 4, True), (16, 8, 8, 2, False)]  # at the first
     passing = [r for r in payload["records"] if r["what"] == "state_passing (sweep)"]  # placement
     assert [(r["block_p"], r["block_n"], r["occupancy"], r["default"]) for r in passing] == [
         (8, 8, 4, False)]
