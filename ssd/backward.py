@@ -619,9 +619,11 @@ TORCH_BACKWARDS = StageBackwards(chunk_scan_backward_torch, state_passing_backwa
                                  chunk_state_backward_torch, chunk_cumsum_backward_torch)
 
 
-def cutile_backwards(fold: bool = False) -> StageBackwards:
+def cutile_backwards(fold: bool = True) -> StageBackwards:
     """Every stage's cuTile kernels (``ssd.kernels.<stage>_backward``); ``fold``: chunk_state's
-    backward folded into chunk_scan's kernels (:attr:`StageBackwards.fold`). Imported on call:
+    backward folded into chunk_scan's kernels (:attr:`StageBackwards.fold`), which spares the
+    dstates read, x's second read and the fp32 dx round trip between the two stages
+    (``python -m ssd.tools.backward_stages --dprev walk,fold`` times both). Imported on call:
     the CPU path needs no cuTile."""
     from .kernels.chunk_cumsum_backward import chunk_cumsum_backward_cutile
     from .kernels.chunk_state_backward import chunk_state_backward_cutile

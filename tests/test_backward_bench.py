@@ -248,20 +248,21 @@ def test_implementations_run_tilegym_at_its_chunk_size_or_say_why_not(monkeypatc
     assert not table and "unavailable" in skipped["tilegym"]
 
 
-def test_implementations_time_ours_folded_beside_ours(monkeypatch):
-    """``ssd_fold`` is ours with chunk_state's backward folded into chunk_scan's kernels, at
+def test_implementations_time_ours_unfolded_beside_ours(monkeypatch):
+    """``ssd_stages`` is ours with chunk_state's backward in kernels of its own, at
     every chunk size ours runs at."""
     from ssd import api
     from ssd.backward import cutile_backwards
 
     calls = []
     monkeypatch.setattr(api, "mamba_chunk_scan_combined", lambda *a, **kw: calls.append(kw))
-    table, skipped = BB.implementations(tiny_inputs(l=64), ("ssd", "ssd_fold"), chunks=(64, 128))
-    assert set(table) == {"ssd", "ssd_fold"} and not skipped
-    assert list(table["ssd_fold"]) == [64, 128]
+    table, skipped = BB.implementations(tiny_inputs(l=64), ("ssd", "ssd_stages"),
+                                        chunks=(64, 128))
+    assert set(table) == {"ssd", "ssd_stages"} and not skipped
+    assert list(table["ssd_stages"]) == [64, 128]
     table["ssd"][64]()
-    table["ssd_fold"][64]()
-    assert "backwards" not in calls[0] and calls[1]["backwards"] == cutile_backwards(fold=True)
+    table["ssd_stages"][64]()
+    assert "backwards" not in calls[0] and calls[1]["backwards"] == cutile_backwards(fold=False)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -99,12 +99,12 @@ def test_the_sweep_times_every_combination_and_marks_the_defaults(monkeypatch):
                      reps=3, state_tiles=[(64, 32, 32, 4), (16, 8, 8, 2)],
                      passing_tiles=[(8, 8, 4)], progress=lines.append)
     assert len(lines) == len(payload["records"])  # a line as each record is taken
-    assert "small q16 walk chunk_state (sweep) block_s=16 block_p=8 block_n=8 occupancy=2: " \
+    assert "small q16 fold chunk_state (sweep) block_s=16 block_p=8 block_n=8 occupancy=2: " \
         "1.000 ms" in lines
-    assert chosen == ["walk", "kernel", "fold"]  # dprev_states formed in the walk, by the states
-    # kernel, in the walk with chunk_state folded into chunk_scan
+    assert chosen == ["fold", "walk", "kernel"]  # the default first: chunk_state folded into
+    # chunk_scan after the walk; then chunk_state's own kernels; dprev_states by the states kernel
     sweep = [r for r in payload["records"] if r["what"] == "chunk_scan (sweep)"]
-    assert {r["dprev"] for r in sweep} == {"walk"}  # the sweep takes the first placement
+    assert {r["dprev"] for r in sweep} == {"fold"}  # the sweep takes the first placement
     assert sorted((r["head_splits"], r["warps"]) for r in sweep) == [(1, 4), (1, 8), (2, 4),
                                                                      (2, 8)]
     # the default point: head_splits' rule for this shape, 4 warps
@@ -164,7 +164,7 @@ def test_breakdown_of_the_folded_stages_counts_the_walk_once():
                                          (["--warps", "6"], r"--warps: \[6\]"),
                                          (["--occupancy", "0"], r"--occupancy: \[0\]"),
                                          (["--dprev", "both"],
-                                          r"--dprev: \['both'\] not of walk, kernel, fold"),
+                                          r"--dprev: \['both'\] not of fold, walk, kernel"),
                                          (["--state-tiles", "64x32"],
                                           r"--state-tiles: \[\(64, 32, None\)\] not 3"),
                                          (["--state-tiles", "64xax32"], r"not NxNxN\[@O\]"),

@@ -138,14 +138,15 @@ def test_kernel_table_reads_the_kernels_and_their_launches():
     d = table.dims
     assert d["c"] == math.ceil(d["l"] / d["q"])
     by = {r["kernel"].strip("`"): r for r in table}
-    assert list(by)[:3] == ["chunk_scan_backward_columns_kernel",
-                            "chunk_scan_backward_rows_kernel",
-                            "state_passing_backward_kernel"]            # the order of the stages
+    assert list(by) == ["state_passing_backward_kernel", "state_passing_backward_rows_kernel",
+                        "chunk_scan_backward_columns_kernel", "chunk_scan_backward_rows_kernel",
+                        "chunk_cumsum_backward_kernel", "chunk_cumsum_backward_sum_kernel"]
     walk = by["state_passing_backward_kernel"]  # it forms dprev_states from chunk_scan's dy, C
     assert "`dy`, `C`" in walk["reads"] and "dprev_states" not in walk["reads"]
-    assert table.column("stage")[-1] == "`chunk_cumsum`"
+    assert "chunk_state" not in "".join(table.column("stage"))  # folded into chunk_scan's
     columns, rows = by["chunk_scan_backward_columns_kernel"], by["chunk_scan_backward_rows_kernel"]
-    assert columns["writes"] == "`dx`, `dB`, `ddt_out`, `ddA_cumsum`, `dD_parts`"
+    assert columns["writes"] == "`dx`, `dB`, `ddt_out`, `ddA_cumsum`, `dD_parts`, `state_total`"
+    assert "`dstates`" in columns["reads"] and "`state_total`" in rows["reads"]
     assert "`ddA_cumsum` (+=)" in rows["writes"] and "`prev_states`" in rows["reads"]
     splits = head_splits(d["b"] * d["c"] * d["g"] * 4, d["h"] // d["g"], CAPTURE_GPU[1])
     assert columns["blocks"] == d["b"] * d["c"] * d["g"] * splits * 4  # q / 64 column blocks

@@ -2,8 +2,9 @@
 
 ``ssd.mamba_chunk_scan_combined`` with inputs that require grad -- the cuTile forward inside
 ``ssd.autograd.ChunkScanCombined``, the backward of ``ssd.backward`` (its default table on a GPU:
-every stage's cuTile kernels; some tests take chunk_state's backward folded into chunk_scan's
-kernels, ``cutile_backwards(fold=True)``; one forces PyTorch throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
+every stage's cuTile kernels, chunk_state's folded into chunk_scan's; some tests take
+chunk_state's kernels of its own, ``cutile_backwards(fold=False)``; one forces PyTorch
+throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
 device inputs and the rounded upstream gradients, on fresh random inputs (a new seed per run,
 printed on failure; ``SSD_TEST_SEED`` replays one).
 
@@ -188,24 +189,24 @@ def test_default_backward_takes_the_kernels():
         is TB.TORCH_BACKWARDS
 
 
-FOLD_CASES = ([(name, "bfloat16") for name in [*EDGE_SHAPES, "model-like-q64", "model-like-q256"]]
+STAGE_CASES = ([(name, "bfloat16") for name in [*EDGE_SHAPES, "model-like-q64", "model-like-q256"]]
               + [(name, dtype) for name in ("all-features", "l-not-multiple")
                  for dtype in ("float32", "float16")])
 
 
-@pytest.mark.parametrize("name, dtype", FOLD_CASES)
-def test_chunk_state_folded_into_chunk_scan(name, dtype, gpu_record):
-    """chunk_state's backward folded into chunk_scan's kernels (``cutile_backwards(fold=True)``:
-    the walk first, then both stages' gradients from one pass) meets the same tolerances: every
-    edge shape and the production chunk sizes in bf16, two shapes in fp32 and fp16."""
+@pytest.mark.parametrize("name, dtype", STAGE_CASES)
+def test_chunk_state_in_its_own_kernels(name, dtype, gpu_record):
+    """chunk_state's backward in kernels of its own, after chunk_scan's and the walk
+    (``cutile_backwards(fold=False)``), meets the same tolerances: every edge shape and the
+    production chunk sizes in bf16, two shapes in fp32 and fp16."""
     from ssd.backward import cutile_backwards
 
     spec = EDGE_SHAPES.get(name) or ProblemSpec(
         2, 1000, 8, 64, 128, 1, chunk_size=int(name.removeprefix("model-like-q")), D="h",
         dt_bias=True, dt_softplus=True, initial_states=True, z=True, seq_boundaries=(300, 512),
         name=name)
-    check_backward(spec, dtype, gpu_record, f"fold/{name}", seed_for("fold" + name + dtype),
-                   backwards=cutile_backwards(fold=True))
+    check_backward(spec, dtype, gpu_record, f"stages/{name}", seed_for("stages" + name + dtype),
+                   backwards=cutile_backwards(fold=False))
 
 
 @pytest.mark.parametrize("name", ["all-features", "seq-idx-mid-chunk", "l-less-than-q"])

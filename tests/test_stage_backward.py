@@ -32,8 +32,8 @@ def test_cpu_default_is_pytorch_and_the_gpu_table_takes_every_kernel():
     assert TB.StageBackwards._fields == (*FOUR, "fold")
     for stage in FOUR:
         assert getattr(table, stage).__name__ == f"{stage}_backward_cutile"
-    assert table.fold is None and TB.TORCH_BACKWARDS.fold is None
-    assert TB.cutile_backwards(fold=True).fold is TB.chunk_scan_backward_cutile
+    assert table.fold is TB.chunk_scan_backward_cutile  # chunk_state's folded in by default
+    assert TB.cutile_backwards(fold=False).fold is None and TB.TORCH_BACKWARDS.fold is None
 
 
 #: The keyword-only parameters a launcher adds to its torch function's: the tiles, and for

@@ -517,7 +517,8 @@ def kernel_table(dtype: str = "bfloat16") -> Table:
     """Every cuTile launch of one backward, in launch order, recorded on the CPU.
 
     The launches are those ``ssd.tools.aot.capture_backward(dtype, "all")`` records for the
-    default placement of dprev_states (``ScanBackwardConfig.dprev_in_walk``), with every option
+    default backward (the walk, then chunk_scan's kernels with chunk_state's folded in;
+    ``ScanBackwardConfig.dprev_in_walk``), with every option
     on: seq_idx, the gate's rebuilt output, dt_bias, initial and final states. Per launch: the kernel, its grid as its docstring writes it
     (checked against the launch's grid: a docstring that disagrees raises ValueError) and what
     one block does, the blocks launched at the captured shape, the arrays it writes (a
@@ -526,8 +527,8 @@ def kernel_table(dtype: str = "bfloat16") -> Table:
 
     Returns:
         the Table (a row also holds ``stage``, the kernel's module), with ``dims``: the
-        captured problem's sizes (b, l, h, p, g, n, c, q), read off the first launch's x, B and
-        dt_out.
+        captured problem's sizes (b, l, h, p, g, n, c, q), read off x, B and dt_out of the
+        first launch that reads them.
     """
     import inspect
 
@@ -536,8 +537,9 @@ def kernel_table(dtype: str = "bfloat16") -> Table:
 
     records = capture_backward(dtype, "all", ScanBackwardConfig().dprev_in_walk)
     named = [dict(zip(inspect.signature(r.kernel._pyfunc).parameters, r.args)) for r in records]
-    (b, l, h, p), (g, n) = named[0]["x"].shape, named[0]["B"].shape[2:]
-    c, q = named[0]["dt_out"].shape[2:]
+    scan = next(args for args in named if "x" in args)  # the walk, which reads no x, runs first
+    (b, l, h, p), (g, n) = scan["x"].shape, scan["B"].shape[2:]
+    c, q = scan["dt_out"].shape[2:]
     dims = dict(b=b, l=l, h=h, p=p, g=g, n=n, c=c, q=q)
     rows = []
     for record, args in zip(records, named):

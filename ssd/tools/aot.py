@@ -207,7 +207,7 @@ BACKWARD_FEATURES = ("none", "all")
 
 
 def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = None,
-                     fold: bool | None = False):
+                     fold: bool | None = True):
     """Run the launchers of the backward's cuTile stages (``ssd.kernels.<stage>_backward``:
     chunk_scan, state_passing, chunk_state, chunk_cumsum, in the order the backward calls them)
     on small CPU tensors and return the recorded launches: x, B, C, dt and the saved entering
@@ -216,9 +216,10 @@ def capture_backward(dtype: str, features: str, dprev_in_walk: bool | None = Non
     two groups of four heads. ``dprev_in_walk`` (``ScanBackwardConfig``'s): the launches of the
     backward that forms dprev_states in state_passing's walk (True) or writes it from chunk_scan's
     states kernel (False); None records both ways. ``fold``: the backward with chunk_state's
-    folded into chunk_scan's kernels (True: the walk, then chunk_scan's kernels given dstates;
-    ``ssd.backward.StageBackwards.fold``), the stages one by one (False), or both (None; the fold
-    where the walk forms dprev_states): None with dprev_in_walk None is every kernel variant."""
+    folded into chunk_scan's kernels (True, the default's: the walk, then chunk_scan's kernels
+    given dstates; ``ssd.backward.StageBackwards.fold``), the stages one by one (False), or both
+    (None; the fold where the walk forms dprev_states): None with dprev_in_walk None is every
+    kernel variant."""
     import torch
 
     from ..backward import EnteringGradient

@@ -10,8 +10,9 @@ each chunk size of ``bench.SUITE_CHUNKS`` (each implementation counted at its fa
 at its chunk size 64 only, as the forward suite runs it. ``tilegym`` is TileGym untuned (each
 kernel's first candidate, ``TILEGYM_DISABLE_AUTOTUNE=1``); ``tilegym_tuned`` (not a default:
 minutes a shape) lets its autotuner search every kernel's candidates in the first call. Either
-way the configurations it ran with are recorded, per shape (``tilegym_configs``). ``ssd_fold``
-(not a default) is ours with chunk_state's backward folded into chunk_scan's kernels.
+way the configurations it ran with are recorded, per shape (``tilegym_configs``). ``ssd_stages``
+(not a default) is ours with chunk_state's backward in kernels of its own, not folded into
+chunk_scan's.
 
 1. **Gate.** One forward + backward of each (its first call: compilation or autotuning
    included, ``first_call_s``). The gradients of x, dt, A, D and dt_bias on the last
@@ -60,9 +61,9 @@ GATE_HEADS = 2
 GATED = ("dx", "ddt", "dA", "dD", "ddt_bias")
 WHATS = ("forward", "forward+backward")
 #: Every implementation, and those run by default (TileGym tuned searches for minutes a shape).
-#: ``ssd_fold``: ours with chunk_state's backward folded into chunk_scan's kernels
-#: (``ssd.backward.cutile_backwards(fold=True)``), beside the default to choose between them.
-IMPLS = ("ssd", "ssd_fold", "mamba_ssm", "tilegym", "tilegym_tuned")
+#: ``ssd_stages``: ours with chunk_state's backward in its own kernels
+#: (``ssd.backward.cutile_backwards(fold=False)``), beside the default to compare the two.
+IMPLS = ("ssd", "ssd_stages", "mamba_ssm", "tilegym", "tilegym_tuned")
 DEFAULT_IMPLS = ("ssd", "mamba_ssm", "tilegym")
 #: The peers, in the order the table reports them.
 PEERS = IMPLS[1:]
@@ -96,9 +97,9 @@ def implementations(leaves: dict, names=DEFAULT_IMPLS, chunks=SUITE_CHUNKS):
     fns = {}
     if "ssd" in names:
         fns["ssd"] = api.mamba_chunk_scan_combined
-    if "ssd_fold" in names:
-        fns["ssd_fold"] = functools.partial(api.mamba_chunk_scan_combined,
-                                            backwards=cutile_backwards(fold=True))
+    if "ssd_stages" in names:
+        fns["ssd_stages"] = functools.partial(api.mamba_chunk_scan_combined,
+                                              backwards=cutile_backwards(fold=False))
     if "mamba_ssm" in names:
         try:
             fns["mamba_ssm"] = peers.mamba_ssm_forward()

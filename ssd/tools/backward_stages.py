@@ -15,9 +15,10 @@ are skipped), the defaults' point marked: the knobs that trade blocks for a buff
 (``head_splits``) and registers for spills (tiles and warps; ``ScanBackwardConfig``'s docstring
 says which spill). ``--state-tiles`` and ``--passing-tiles`` time ``chunk_state``'s and
 ``state_passing``'s backward at each given tiling, and ``--dprev`` says where dprev_states
-forms: ``walk`` (state_passing's walk, the default), ``kernel`` (chunk_scan's states kernel) or
-``fold`` (the walk, with chunk_state's backward folded into chunk_scan's kernels:
-``ssd.backward.StageBackwards.fold``, timed as one call that includes the walk).
+forms: ``fold`` (the default: state_passing's walk, then chunk_scan's kernels with
+chunk_state's backward folded in, ``ssd.backward.StageBackwards.fold``, timed as one call that
+includes the walk), ``walk`` (the walk, chunk_state's backward in its own kernels) or
+``kernel`` (chunk_scan's states kernel).
 
 Every time is ``bench.time_fn``'s median of ``--reps`` CUDA-graph replays (host launch overhead
 removed), L2 flushed before each; a call that cannot be captured is timed eager, and its record
@@ -36,7 +37,7 @@ from ..backward import StageBackwards
 #: backward in one call, the walk inside), which a table may take in their place.
 STAGES = StageBackwards._fields
 #: Where dprev_states forms (and whether chunk_state's backward folds into chunk_scan's).
-PLACEMENTS = ("walk", "kernel", "fold")
+PLACEMENTS = ("fold", "walk", "kernel")
 
 
 def stage_calls(shape, chunk_size: int, dtype="bfloat16", device="cuda", forward=None,
@@ -125,9 +126,9 @@ PASSING_SWEPT = ("block_p", "block_n", "occupancy")
 
 def where_dprev_forms(where: str) -> StageBackwards:
     """The cuTile stages with dprev_states formed where ``where`` (of :data:`PLACEMENTS`) says:
-    in state_passing's walk ("walk", the default), by chunk_scan's states kernel ("kernel":
-    ``ScanBackwardConfig.dprev_in_walk`` off), or in the walk with chunk_state's backward folded
-    into chunk_scan's kernels ("fold")."""
+    in state_passing's walk with chunk_state's backward folded into chunk_scan's kernels ("fold",
+    the default), in the walk with chunk_state's own kernels ("walk"), or by chunk_scan's states
+    kernel ("kernel": ``ScanBackwardConfig.dprev_in_walk`` off)."""
     import functools
 
     from ..backward import chunk_scan_backward_cutile, cutile_backwards
@@ -291,11 +292,11 @@ def main(argv=None) -> int:
                         help="and these tiles of its rows kernel alone, e.g. 32,64")
     parser.add_argument("--warps", default="", help="and these warp counts (4, 8)")
     parser.add_argument("--occupancy", default="", help="and these occupancy hints (1..32)")
-    parser.add_argument("--dprev", default="walk,kernel,fold",
-                        help="where dprev_states forms: walk (state_passing's, the default), "
-                             "kernel (chunk_scan's states kernel), fold (the walk, chunk_state's "
-                             "backward folded into chunk_scan's kernels); the sweep takes the "
-                             "first")
+    parser.add_argument("--dprev", default=",".join(PLACEMENTS),
+                        help="where dprev_states forms: fold (the default: the walk, "
+                             "chunk_state's backward folded into chunk_scan's kernels), walk "
+                             "(the walk, chunk_state's own kernels), kernel (chunk_scan's states "
+                             "kernel); the sweep takes the first")
     parser.add_argument("--state-tiles", default="",
                         help="chunk_state's backward also at these block_s x block_p x block_n, "
                              "each with an occupancy hint after @ or none, e.g. "
