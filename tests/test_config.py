@@ -302,6 +302,23 @@ def test_small_states_take_their_own_tiles_at_chunk_128_and_256():
     assert big == base   # state 128: not a small state
 
 
+@pytest.mark.parametrize("b, h, n, l", [
+    (8, 24, 128, 2048),     # 130m: inference takes the one kernel
+    (2, 128, 128, 8192),    # codestral-7b: the one kernel
+    (16, 32, 64, 1024),     # small-state: the one kernel
+    (1, 80, 128, 16384),    # long-16k: the grouped walk
+])
+def test_a_training_forward_stores_every_entering_state(b, h, n, l):
+    """stores_states (the autograd forward's): neither the one kernel nor the grouped walk, which
+    keep the entering states the backward reads out of memory; the rest of the rule stands."""
+    args = dict(problem=(b, h, 64, n), sms=132, chunk_size=64, seqlen=l)
+    inference = default_config((9, 0), **args)
+    training = default_config((9, 0), **args, stores_states=True)
+    assert inference.fused_scan.enabled or inference.state.groups > 1  # what the rows test
+    assert not training.fused_scan.enabled and training.state.groups == 1
+    assert training.scan == inference.scan
+
+
 @pytest.mark.parametrize("kwargs", [dict(block_p=48), dict(occupancy=0), dict(occupancy=2.5)])
 def test_fused_scan_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
