@@ -203,13 +203,15 @@ class ScanBackwardConfig:
     rule) cuts each group's heads into that many blocks, whose partial dB and dC are summed
     after the kernels. ``rows_block_q`` (None: ``block_q``) gives the rows kernel tiles of its
     own: it completes the column part of ddA_cumsum position by position, so the two tilings
-    need not match. On sm_90 (bf16, q 256, p 64, n 128) the columns kernel is spill-free at
-    64 with 8 warps and the rows kernel at 32 with 8 warps, and each spills otherwise
-    (``ssd.tools.aot.resource_usage``). Defaults: 64-wide tiles, 4 warps and two blocks a SM
-    (the hint), the fastest point of ``python -m ssd.tools.backward_stages --warps 4,8
-    --occupancy 1,2,3,4 --block-q 32,64`` on every models shape on sm_90: without the hint the
-    compiler gives a block 255 registers and one block a SM, which leaves the SM idle while
-    it waits on memory. fp32 inputs take smaller tiles (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
+    need not match. Defaults: 64-wide tiles, 4 warps and two blocks a SM (the hint), the
+    fastest point, or within 1 %, of ``python -m ssd.tools.backward_stages`` at chunk 64 on
+    sm_90 over 4 and 8 warps and hints 2 and 4 on every models shape (1 to 4 on 2.7b, folded
+    too): without
+    the hint the compiler gives a block 255 registers and one block a SM, which leaves the SM
+    idle while it waits on memory. There (bf16, p 64, n 128) both kernels compile to 128
+    registers without spilling; with chunk_state's backward folded in, columns spills 288 bytes
+    a thread and rows 80 (``ssd.tools.aot.resource_usage``). fp32 inputs take smaller tiles
+    (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
     but where state_passing's backward walk consumes it (``ssd.backward.EnteringGradient``), so
     that its (b, c, h, p, n) fp32 tensor never reaches memory, as the forward's fused stage 2
     keeps the per-chunk states out of memory; ``block_k`` and ``block_n`` then go unused."""
@@ -406,14 +408,15 @@ class StateBackwardConfig:
     """chunk_state's backward (:mod:`ssd.kernels.chunk_state_backward`): a block walks one
     chunk ``block_s`` positions at a time, its products over ``block_p`` channels and
     ``block_n`` state entries a tile (both clamped to the problem); dB's blocks walk one of
-    ``head_splits`` runs of a group's heads (as in ScanBackwardConfig). Defaults: 32 x 32 state
-    tiles at four blocks a SM (64 registers a thread, no spill), within a few per cent of the
-    fastest tiling at chunk 64 on sm_90 (``python -m ssd.tools.backward_stages --state-tiles``):
-    the compiler's own choice takes 255 registers and one block a SM for this kernel's many
-    small blocks. On sm_90 (p 64, n 128, chunk 256) bf16 inputs compile spill-free at 32 and 64 in
-    either axis; fp32 inputs, whose MMAs run on CUDA cores, spill 2.7 KB a thread in the dx
-    kernel even at 32 x 32. ``occupancy``: both kernels' hint, as in StateConfig (None: the
-    compiler's choice)."""
+    ``head_splits`` runs of a group's heads (as in ScanBackwardConfig). These kernels run only
+    where chunk_state's backward is not folded into chunk_scan's (``cutile_backwards(fold=False)``).
+    ``occupancy``: both kernels' hint, as in StateConfig (None: the compiler's choice, which on
+    sm_90 takes 255 registers and one block a SM for these many small blocks). Defaults: 32 x 32
+    state tiles at four blocks a SM, within a few per cent of the fastest tiling at chunk 64 on
+    sm_90 (``python -m ssd.tools.backward_stages --dprev walk --state-tiles``); at the hint's 64
+    registers the dx kernel spills under 128 bytes a thread (bf16, p 64, n 128, chunk 256).
+    fp32 inputs, whose MMAs run on CUDA cores, spill 2.7 KB a thread in the dx kernel even
+    without the hint."""
 
     block_s: int = 64
     block_p: int = 32
