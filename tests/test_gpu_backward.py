@@ -283,6 +283,26 @@ def test_varlen_states_refuse_a_gradient():
         torch.autograd.grad(varlen.sum(), [leaves["x"]])
 
 
+def test_a_recorded_call_saves_the_entering_states(gpu_record):
+    """Where inference runs stages 2 and 3 as one kernel, which stores no entering state (b x h
+    fills the GPU: 8 x 24 heads here), a call autograd records takes the three stages
+    (``default_config(stores_states=True)``) and saves every chunk's entering state, so the
+    backward rebuilds none in PyTorch; its gradients still meet the tolerance."""
+    from ssd import api
+
+    spec = ProblemSpec(8, 256, 24, 64, 128, 1, chunk_size=64, D="h", dt_bias=True,
+                       dt_softplus=True, name="one-kernel-inference")
+    inputs = device_inputs(spec, seed_for("bwd-stores"), "bfloat16")
+    if not api.resolve_config(None, 64, inputs["x"], inputs["B"]).fused_scan.enabled:
+        pytest.skip("this GPU's inference default runs three stages at this shape")
+    x = inputs["x"].clone().requires_grad_()
+    y = api.mamba_chunk_scan_combined(x, inputs["dt"], inputs["A"], inputs["B"], inputs["C"], 64,
+                                      D=inputs["D"], dt_bias=inputs["dt_bias"], dt_softplus=True)
+    prev_states = y.grad_fn.saved_tensors[-1]  # ChunkScanCombined saves them last
+    assert prev_states is not None and prev_states.shape == (8, 4, 24, 64, 128)
+    check_backward(spec, "bfloat16", gpu_record, "stores-states", seed_for("bwd-stores"))
+
+
 def test_no_gradient_required_saves_nothing():
     """Without a gradient required the forward runs alone: no graph, and the same bits as the
     differentiable call's forward."""
