@@ -65,9 +65,11 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 # names it), then execute the GPU chapters so their stored outputs come from the same
 # run. Each part is sized for under ten minutes on a fresh H100 or H200, for machines
 # that cap a command's time:
-#   gpu-check          the GPU tests (gpu_tests, gpu_mixer_tests, gpu_decode_tests,
-#                      gpu_backward_tests: .json.gz; one process per core: compiling
-#                      the kernel variants dominates) and first calls
+#   gpu-check-1..4     the GPU tests, a few test files a part (GPU_TESTS_1 ...), merged
+#                      into gpu_tests, gpu_mixer_tests, gpu_decode_tests and
+#                      gpu_backward_tests (.json.gz; one process per core: compiling the
+#                      kernel variants dominates); part 1 starts them anew and times
+#                      first calls
 #   gpu-models-1       the models suite against mamba_ssm and TileGym, some shapes,
 #   gpu-models-2       and the others, merged into one models.json (about two minutes
 #                      a shape, most of it compiling and mamba_ssm's autotuning)
@@ -102,18 +104,31 @@ MODELS_2 ?= codestral-7b,small-state
 BACKWARD_1 ?= 130m,2.7b
 BACKWARD_2 ?= long-16k,codestral-7b
 BACKWARD_3 ?= small-state
-.PHONY: gpu gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
+# Every test file with GPU tests, in one part each (tests/test_gpu_record.py checks it).
+GPU_TESTS_1 ?= tests/test_gpu_kernels.py tests/test_gpu_varlen.py tests/test_gpu_host_path.py \
+  tests/test_primer.py tests/test_mamba2.py
+GPU_TESTS_2 ?= tests/test_gpu_backward.py tests/test_gpu_stage_backward.py
+GPU_TESTS_3 ?= tests/test_gpu_chunk_scan_backward.py tests/test_gpu_generation.py \
+  tests/test_gpu_train.py
+GPU_TESTS_4 ?= tests/test_gpu_layer_kernels.py tests/test_gpu_decode.py
+.PHONY: gpu gpu-check-1 gpu-check-2 gpu-check-3 gpu-check-4 gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
   gpu-results gpu-tilegym gpu-tilegym-backward gpu-backward-stages
-gpu: gpu-check gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
+gpu: gpu-check-1 gpu-check-2 gpu-check-3 gpu-check-4 gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
   gpu-results
-gpu-check:
+gpu-check-1:
 	$(GPU_PYTHON) -m ssd doctor
-	$(GPU_PYTHON) -m pytest -m gpu -n auto --dist loadgroup -q tests/
+	$(GPU_PYTHON) -m pytest -m gpu -n auto --dist loadgroup -q $(GPU_TESTS_1)
 	$(GPU_PYTHON) -m ssd.tools.bench --suite first-call
+gpu-check-2:
+	$(GPU_PYTHON) -m pytest -m gpu -n auto --dist loadgroup -q --gpu-merge $(GPU_TESTS_2)
+gpu-check-3:
+	$(GPU_PYTHON) -m pytest -m gpu -n auto --dist loadgroup -q --gpu-merge $(GPU_TESTS_3)
+gpu-check-4:
+	$(GPU_PYTHON) -m pytest -m gpu -n auto --dist loadgroup -q --gpu-merge $(GPU_TESTS_4)
 gpu-models-1:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite models --reps 30 --shapes $(MODELS_1) --merge
 gpu-models-2:

@@ -12,7 +12,10 @@ tests/test_mamba2.py, and ``decode``, the decode step's of tests/test_gpu_decode
 no per-stage tolerance for notebook 08 to check them against. A run with injected faults
 (``SSD_INJECT_FAULT``, see ssd.validate) writes its summary to ``results/<gpu>/gpu_faults.json.gz``
 (how often each fault was put in, visible and caught by each criterion, per test family, and
-the rows of any visible fault that was missed) and leaves the other files as they are.
+the rows of any visible fault that was missed) and leaves the other files as they are. Each
+row names its test file; with ``--gpu-merge`` a run replaces what the summaries recorded at
+the same revision on the same GPU held of its test files and keeps the rest, so that a suite
+too long for one command is recorded by several (``make gpu-check-1`` ...).
 """
 import importlib.util
 import os
@@ -29,8 +32,15 @@ os.environ.setdefault("SSD_QUICK_FIRST_CALL", "0")
 ROOT = Path(__file__).resolve().parent.parent
 _ROWS: list[dict] = []       # rows appended by the tests running in this process
 _COLLECTED: list[dict] = []  # rows from every logged report (all workers' on the controller)
-_OUTCOMES: Counter = Counter()
+_OUTCOMES: dict[str, Counter] = {}  # test file -> outcome -> count
 _FAILED: list[str] = []      # node ids of failed GPU tests
+
+
+def pytest_addoption(parser):
+    parser.addoption("--gpu-merge", action="store_true",
+                     help="merge this run's GPU summaries into those recorded at this revision on "
+                          "this GPU, replacing what they held of the test files run here (a suite "
+                          "split over several commands, each within a time limit)")
 
 
 def _gpu_missing() -> str | None:
@@ -135,15 +145,16 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::")[0]
     if report.when == "call" and "gpu" in report.keywords:
-        _OUTCOMES[report.outcome] += 1
+        _OUTCOMES.setdefault(file, Counter())[report.outcome] += 1
         if report.failed:
             _FAILED.append(report.nodeid)
     elif report.when == "setup" and report.skipped and "gpu" in report.keywords:
-        _OUTCOMES["skipped"] += 1
+        _OUTCOMES.setdefault(file, Counter())["skipped"] += 1
     for key, rows in report.user_properties:
         if key == "gpu_rows":
-            _COLLECTED.extend(rows)
+            _COLLECTED.extend(dict(row, file=file) for row in rows)
 
 
 def faults_caught(rows: list[dict]) -> dict:
@@ -166,12 +177,36 @@ def faults_caught(rows: list[dict]) -> dict:
 def pytest_sessionfinish(session, exitstatus):
     if not _COLLECTED or hasattr(session.config, "workerinput"):  # xdist workers: controller writes
         return
-    from ssd.tools.env import environment, gpu_slug, pack_rows, unpack_rows, write_json
+    from ssd.tools.env import environment, gpu_slug, pack_rows, read_json, unpack_rows, write_json
     from ssd.validate import requested_faults
 
     env = environment()
+    folder = ROOT / "results" / gpu_slug(env)
+    getoption = getattr(session.config, "getoption", lambda name, default: default)
+    merge = getoption("--gpu-merge", False)
+
+    def kept(path):  # what a recording there holds of test files this run did not run
+        if not merge or not path.exists():
+            return {}
+        old = read_json(path)
+        if any(old["environment"].get(k) != env.get(k) for k in ("git_revision", "gpu")):
+            raise RuntimeError(f"--gpu-merge: {path} was recorded at another revision or on "
+                               "another GPU; run its test files again without --gpu-merge")
+        return dict(old, rows=[r for r in unpack_rows(old["rows"]) if r.get("file") not in
+                               _OUTCOMES])
+
+    outcomes = {f: dict(c) for f, c in _OUTCOMES.items()}
+    faults = requested_faults()
+    tests = folder / ("gpu_faults.json.gz" if faults else "gpu_tests.json.gz")
+    old = {} if faults else kept(tests)
+    outcomes = {**{f: c for f, c in old.get("outcomes_by_file", {}).items()
+                   if f not in _OUTCOMES}, **outcomes}
+    failed = sorted([t for t in old.get("failed_tests", []) if t.split("::")[0] not in _OUTCOMES]
+                    + _FAILED)
+    total = dict(sum((Counter(c) for c in outcomes.values()), Counter()))
     # packed (4 significant digits), and the summary computed from what is written
-    rows = unpack_rows(pack_rows([r for r in _COLLECTED if not r.get("record")]))
+    rows = old.get("rows", []) + unpack_rows(pack_rows(
+        [r for r in _COLLECTED if not r.get("record")]))
     records = {}  # record name -> its rows
     for r in _COLLECTED:
         if r.get("record"):
@@ -185,8 +220,9 @@ def pytest_sessionfinish(session, exitstatus):
                 worst_elem[key] = max(worst_elem.get(key, 0.0), row["elem_ratio"])
     fault_rows = [r for r in rows if r.get("kind") == "fault"]
     summary = {
-        "outcomes": dict(_OUTCOMES),
-        "failed_tests": sorted(_FAILED),
+        "outcomes": total,
+        "outcomes_by_file": outcomes,
+        "failed_tests": failed,
         "checks": len(rows),
         "worst_rel_err_by_dtype": worst,
         **({"worst_elem_ratio_by_dtype": worst_elem} if worst_elem else {}),
@@ -194,22 +230,21 @@ def pytest_sessionfinish(session, exitstatus):
         "environment": env,
         "rows": pack_rows(rows),
     }
-    folder = ROOT / "results" / gpu_slug(env)
-    faults = requested_faults()
     if faults:
         # Every problem of the suite with every fault: counts per fault and per test family
         # (the rows would be thousands), and the rows of any visible fault that was missed.
         missed = [r for r in fault_rows if r.get("visible") and not r.get("caught_elem")]
-        summary = {"faults": list(faults), "outcomes": dict(_OUTCOMES),
-                   "failed_tests": sorted(_FAILED), "faults_caught": faults_caught(fault_rows),
+        summary = {"faults": list(faults), "outcomes": total, "failed_tests": failed,
+                   "faults_caught": faults_caught(fault_rows),
                    "faults_caught_by_family": {
                        family: faults_caught([r for r in fault_rows
                                               if r["test"].split("/")[0] == family])
                        for family in sorted({r["test"].split("/")[0] for r in fault_rows})},
                    "missed": pack_rows(missed), "environment": env}
-    path = write_json(folder / ("gpu_faults.json.gz" if faults else "gpu_tests.json.gz"), summary)
-    print(f"\n[gpu] {len(rows)} checks, outcomes {dict(_OUTCOMES)}; summary written to {path}")
-    for name, kept in records.items() if not faults else ():
-        path = write_json(folder / f"gpu_{name}_tests.json.gz",
-                          dict(environment=env, rows=pack_rows(kept)))
-        print(f"[gpu] {len(kept)} {name} checks written to {path}")
+    path = write_json(tests, summary)
+    print(f"\n[gpu] {len(rows)} checks, outcomes {total}; summary written to {path}")
+    for name, new in records.items() if not faults else ():
+        path = folder / f"gpu_{name}_tests.json.gz"
+        all_rows = kept(path).get("rows", []) + new
+        write_json(path, dict(environment=env, rows=pack_rows(all_rows)))
+        print(f"[gpu] {len(all_rows)} {name} checks written to {path}")

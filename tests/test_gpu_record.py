@@ -4,7 +4,8 @@ A GPU run cannot be repeated here, so the plumbing that turns test reports into
 ``results/<gpu>/gpu_tests.json``, ``gpu_mixer_tests.json`` and ``gpu_decode_tests.json`` is fed
 fake reports: the rows
 each test attached, pass/fail outcomes, the xdist controller's view (reports from several
-workers). A fresh copy of the conftest module keeps this test's rows out of the real test run.
+workers), and a suite split over several commands (``--gpu-merge``). A fresh copy of the
+conftest module stands for each pytest process and keeps this test's rows out of the real run.
 """
 import importlib.util
 import json
@@ -19,14 +20,20 @@ from ssd.tools.env import read_json
 CONFTEST = Path(__file__).with_name("conftest.py")
 
 
-@pytest.fixture
-def plumbing(tmp_path, monkeypatch):
+def fresh(tmp_path, monkeypatch, revision="abc"):
+    """A new copy of the conftest plumbing, as a pytest process loads it."""
     spec = importlib.util.spec_from_file_location("conftest_copy", CONFTEST)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "ROOT", tmp_path)
-    monkeypatch.setattr(ssd.tools.env, "environment", lambda: {"gpu": "NVIDIA H200", "date": "d"})
+    monkeypatch.setattr(ssd.tools.env, "environment",
+                        lambda: {"gpu": "NVIDIA H200", "git_revision": revision})
     return module
+
+
+@pytest.fixture
+def plumbing(tmp_path, monkeypatch):
+    return fresh(tmp_path, monkeypatch)
 
 
 def report(nodeid, outcome, rows):
@@ -49,13 +56,55 @@ def test_rows_from_every_worker_are_split_into_their_files(plumbing, tmp_path):
     summary = read_json(tmp_path / "results" / "h200" / "gpu_tests.json.gz")
     assert summary["outcomes"] == {"passed": 3, "failed": 1}
     assert summary["failed_tests"] == ["tests/m.py::two"]
-    assert ssd.tools.env.unpack_rows(summary["rows"]) == [kernel] and summary["checks"] == 1
+    assert ssd.tools.env.unpack_rows(summary["rows"]) == [dict(kernel, file="tests/a.py")]
+    assert summary["checks"] == 1 and summary["outcomes_by_file"] == {
+        "tests/a.py": {"passed": 1}, "tests/m.py": {"passed": 1, "failed": 1},
+        "tests/d.py": {"passed": 1}}
     assert summary["worst_rel_err_by_dtype"] == {"bfloat16": 2e-3}
     layer = read_json(tmp_path / "results" / "h200" / "gpu_mixer_tests.json.gz")
     assert [r["rel_err"] for r in ssd.tools.env.unpack_rows(layer["rows"])] == [1e-6, 1.0]
     assert layer["environment"]["gpu"] == "NVIDIA H200"
     step = read_json(tmp_path / "results" / "h200" / "gpu_decode_tests.json.gz")
-    assert ssd.tools.env.unpack_rows(step["rows"]) == [decode]
+    assert ssd.tools.env.unpack_rows(step["rows"]) == [dict(decode, file="tests/d.py")]
+
+
+def finish(module, merge):
+    config = SimpleNamespace(getoption=lambda name, default: merge)
+    module.pytest_sessionfinish(SimpleNamespace(config=config), 0)
+
+
+def test_a_split_suite_merges_replacing_the_files_run_again(tmp_path, monkeypatch):
+    """--gpu-merge: a second command's files join the first's summary; a file run again
+    replaces what the summary held of it (rows, outcomes, failures); the worst error and the
+    totals are those of what is kept."""
+    row = dict(test="t", dtype="bfloat16", rel_err=1e-3)
+    first = fresh(tmp_path, monkeypatch)
+    first.pytest_runtest_logreport(report("tests/a.py::x", "passed", [row]))
+    first.pytest_runtest_logreport(report("tests/b.py::y", "failed", [dict(row, rel_err=0.5)]))
+    finish(first, merge=False)
+    second = fresh(tmp_path, monkeypatch)
+    second.pytest_runtest_logreport(report("tests/b.py::y", "passed", [dict(row, rel_err=2e-3)]))
+    second.pytest_runtest_logreport(report("tests/c.py::z", "passed", [dict(row, rel_err=3e-4)]))
+    finish(second, merge=True)
+    summary = read_json(tmp_path / "results" / "h200" / "gpu_tests.json.gz")
+    assert summary["outcomes"] == {"passed": 3} and summary["failed_tests"] == []
+    assert sorted(r["file"] for r in ssd.tools.env.unpack_rows(summary["rows"])) == [
+        "tests/a.py", "tests/b.py", "tests/c.py"]
+    assert summary["worst_rel_err_by_dtype"] == {"bfloat16": 2e-3} and summary["checks"] == 3
+    third = fresh(tmp_path, monkeypatch)  # without --gpu-merge a run starts the summary anew
+    third.pytest_runtest_logreport(report("tests/c.py::z", "passed", [row]))
+    finish(third, merge=False)
+    assert read_json(tmp_path / "results" / "h200" / "gpu_tests.json.gz")["checks"] == 1
+
+
+def test_merging_into_another_revision_is_refused(tmp_path, monkeypatch):
+    first = fresh(tmp_path, monkeypatch, revision="abc")
+    first.pytest_runtest_logreport(report("tests/a.py::x", "passed", [dict(dtype="float32")]))
+    finish(first, merge=False)
+    second = fresh(tmp_path, monkeypatch, revision="def")
+    second.pytest_runtest_logreport(report("tests/b.py::y", "passed", [dict(dtype="float32")]))
+    with pytest.raises(RuntimeError, match="another revision"):
+        finish(second, merge=True)
 
 
 def test_an_xdist_worker_writes_nothing(plumbing, tmp_path):
@@ -74,3 +123,19 @@ def test_packed_rows_come_back_as_written_to_four_digits():
     back = ssd.tools.env.unpack_rows(json.loads(json.dumps(table)))
     assert back == [dict(test="a", rel_err=1.235e-3, dims=[2, 80]),
                     dict(test="c", rel_err=None, dims=None), dict(test="b", kind="peer")]
+
+
+def test_every_gpu_test_file_is_in_one_gpu_check_part():
+    """make gpu-check-1..4 name the test files they run (GPU_TESTS_1 ...): a file with GPU
+    tests left out of every part would never be recorded, one in two parts twice."""
+    import re
+
+    root = CONFTEST.parent.parent
+    text = (root / "Makefile").read_text().replace("\\\n", " ")
+    parts = re.findall(r"^GPU_TESTS_\d+\s*\?=(.*)$", text, re.MULTILINE)
+    named = [f for part in parts for f in part.split()]
+    marked = re.compile(r"^(@pytest\.mark\.gpu|pytestmark = pytest\.mark\.gpu)", re.MULTILINE)
+    with_gpu = sorted(f"tests/{p.name}" for p in CONFTEST.parent.glob("test_*.py")
+                      if marked.search(p.read_text()))
+    assert sorted(named) == with_gpu
+    assert len(parts) == 4 and all(f"gpu-check-{i}" in text for i in range(1, 5))

@@ -178,7 +178,7 @@ def make_targets(text: str) -> dict:
     """{target: (prerequisites, commands)} of a Makefile's rules (continuation lines
     joined, ``$$`` read as ``$``, simple variables such as ``$(GPU_PYTHON)`` expanded)."""
     text = text.replace("\\\n", " ")
-    variables = {m[1]: m[2].strip() for m in re.finditer(
+    variables = {m[1]: " ".join(m[2].split()) for m in re.finditer(
         r"^([A-Za-z_][A-Za-z0-9_]*)\s*[?:]?=(?!=)([^$\n]*)$", text, re.MULTILINE)}
     expand = lambda c: re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",  # noqa: E731
                               lambda m: variables.get(m[1], m[0]), c)
