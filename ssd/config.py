@@ -209,8 +209,8 @@ class ScanBackwardConfig:
     too): without
     the hint the compiler gives a block 255 registers and one block a SM, which leaves the SM
     idle while it waits on memory. There (bf16, p 64, n 128) both kernels compile to 128
-    registers without spilling; with chunk_state's backward folded in, columns spills 288 bytes
-    a thread and rows 80 (``ssd.tools.aot.resource_usage``). fp32 inputs take smaller tiles
+    registers without spilling; with chunk_state's backward folded in, columns spills 80 bytes
+    a thread and rows 8 (``ssd.tools.aot.resource_usage``). fp32 inputs take smaller tiles
     (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
     but where state_passing's backward walk consumes it (``ssd.backward.EnteringGradient``), so
     that its (b, c, h, p, n) fp32 tensor never reaches memory, as the forward's fused stage 2

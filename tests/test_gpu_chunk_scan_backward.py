@@ -147,10 +147,16 @@ def test_chunk_state_folds_into_the_kernels(name, dtype, config, gpu_record):
     spec, seed = SHAPES[name], seed_for("fold" + name + dtype)
     args = stage_inputs(spec, seed, dtype)
     x_dtype = args["x"].dtype
+    # a gradient on the final states: without one the last chunk's state gradient is 0, and
+    # so would be its part of ddA_cumsum's last column (a ragged chunk's lies past the end)
+    b, _, h, p, n = args["prev_states"].shape
+    dfinal = torch.randn(b, h, p, n, device="cuda",
+                         generator=torch.Generator("cuda").manual_seed(seed))
 
     def walk(dprev_states):
         return state_passing_backward_cutile(dprev_states, args["prev_states"], args["dA_cumsum"],
-                                             None, args["seq_idx"], dstates_dtype=x_dtype)
+                                             None, args["seq_idx"], dfinal_states=dfinal,
+                                             dstates_dtype=x_dtype)
 
     with poisoned_memory():
         got = chunk_scan_backward_cutile(**args, config=config or ScanBackwardConfig(),

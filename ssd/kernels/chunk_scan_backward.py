@@ -103,7 +103,7 @@ def masked_decay(seg, keep):
 
 
 def fold_state(dstates, dA_cumsum, ib, ic, ih, js, b_s, x_s, a_s, dt_s, seq_s, seq_end, dxs, db,
-               Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ):
+               ddt, dda, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ):
     """Tile code: chunk_state's backward (:mod:`.chunk_state_backward`) for the positions s of
     column block ``js``, head ``ih``, added to the column block's gradients: with dS = dstates of
     the chunk [P, N], w_s = e^{a_last - a_s} dt'_s (0 for an earlier sequence than the chunk's
@@ -124,7 +124,8 @@ def fold_state(dstates, dA_cumsum, ib, ic, ih, js, b_s, x_s, a_s, dt_s, seq_s, s
     # the weight folded into x in fp32, rounded once to the MMA's dtype, as chunk_state's does
     db = ct.mma((xf * w[:, None]).astype(x_s.dtype), ds, db)  # [S, N]
     dexp = dw * w  # [S], the gradient of the exponent a_last - a_s
-    return (dxs + w[:, None] * dsb, db, dw * decay, -dexp, ct.sum(dexp, axis=0, keepdims=True))
+    return (dxs + w[:, None] * dsb, db, ddt + dw * decay, dda - dexp,
+            ct.sum(dexp, axis=0, keepdims=True))
 
 
 def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, dstates, seq_last,
@@ -158,11 +159,6 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, d
             dxs = ct.zeros((BLOCK_Q, P_PAD), dtype=ct.float32)  # [S, P]
             ddt = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
             dda = ct.zeros((BLOCK_Q,), dtype=ct.float32)  # [S]
-            if FOLD:
-                dxs, db, ddt, dda, total = fold_state(
-                    dstates, dA_cumsum, ib, ic, ih, js, b_s, x_s, a_s, dt_s, seq_s, seq_end, dxs,
-                    db, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ)
-                ct.store(state_total, index=(ib, ih, ic, js), tile=total.reshape((1, 1, 1, 1)))
             if HAS_D:  # the skip y += D x: dx_s += D dy_s, dD += sum_s dy_s x_s
                 dy_s = rows_of(dy, ib, cols, ih, 0, BLOCK_Q, P_PAD, ct.float32)  # [S, P]
                 d = ct.load(D, index=(ih, 0), shape=(1, P_PAD), padding_mode=ZERO)  # [1, P]
@@ -192,6 +188,11 @@ def column_block(ib, ic, part, js, x, B, C, dy, dt_out, dA_cumsum, seq_idx, D, d
                 dda = dda - ct.sum(dw * w, axis=1)  # [S]
                 dm = dw * decay * dt_s[:, None]  # [S, T] dM of this head
                 db = ct.mma(dm.astype(x.dtype), c_t, db)  # [S, N] += dMᵀ C
+            if FOLD:
+                dxs, db, ddt, dda, total = fold_state(
+                    dstates, dA_cumsum, ib, ic, ih, js, b_s, x_s, a_s, dt_s, seq_s, seq_end, dxs,
+                    db, ddt, dda, Q, BLOCK_Q, P_PAD, N_PAD, HAS_SEQ)
+                ct.store(state_total, index=(ib, ih, ic, js), tile=total.reshape((1, 1, 1, 1)))
             ct.store(dx, index=(ib, cols, ih, 0),
                      tile=dxs.reshape((1, BLOCK_Q, 1, P_PAD)).astype(dx.dtype))
             ct.store(ddt_out, index=(ib, ih, ic, js), tile=ddt.reshape((1, 1, 1, BLOCK_Q)))
@@ -223,13 +224,12 @@ def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq
     to the column part stored by ``columns``, per head; stores dC [T, N] summed over the run's
     heads, at ``part`` of dC's third axis, and, REBUILD_Y, y_ssm [T, P] per head. FOLD, the last
     row block also adds the ``COLUMN_TILES`` column blocks' sums of dw_s w_s (``state_total``) to
-    the chunk's last column. Otherwise a tile wholly past the sequence end is left alone
-    (``columns`` wrote its ddA_cumsum: zeros)."""
+    the chunk's last column. A tile wholly past the sequence end is left alone (``columns``
+    wrote its ddA_cumsum: zeros; :func:`chunk_scan_backward` adds a last column's sum there: a
+    branch for it here would raise every block's shared memory and spills)."""
     ig, first, heads = head_run(part, heads_per_group, head_splits)
     q_tiles = Q // BLOCK_Q
     rows = ic * q_tiles + it  # the row block, in BLOCK_Q tiles of the sequence
-    # FOLD: where chunk_state's sum over the chunk goes, the last column (the last row block's)
-    last_col = positions(it, BLOCK_Q) == Q - 1  # [T]
     if ic * Q + it * BLOCK_Q < seqlen:
         c_t = rows_of(C, ib, rows, ig, 0, BLOCK_Q, N_PAD, x.dtype)  # [T, N]
         seq_t = ct.zeros((BLOCK_Q,), dtype=ct.int32)  # unread without HAS_SEQ
@@ -284,27 +284,21 @@ def row_block(ib, ic, part, it, x, B, C, dy, dt_out, dA_cumsum, prev_states, seq
             col = chunk_row(ddA_cumsum, ib, ih, ic, it, BLOCK_Q)  # [T] the column part
             if FOLD:
                 if it == q_tiles - 1:  # the row block that holds the last column
-                    dda = dda + ct.where(
-                        last_col, state_sum(state_total, ib, ih, ic, COLUMN_TILES), 0.0)
+                    dda = dda + state_sum(state_total, ib, ih, ic, it, BLOCK_Q, Q, COLUMN_TILES)
             ct.store(ddA_cumsum, index=(ib, ih, ic, it),
                      tile=(col + dda).reshape((1, 1, 1, BLOCK_Q)))
             if REBUILD_Y:
                 ct.store(y_ssm, index=(ib, rows, ih, 0), tile=y.reshape((1, BLOCK_Q, 1, P_PAD)))
         ct.store(dC, index=(ib, rows, part, 0), tile=dc.reshape((1, BLOCK_Q, 1, N_PAD)))
-    else:
-        if FOLD:  # past the end columns stored zeros, but the last column takes chunk_state's sum
-            if it == q_tiles - 1:
-                for ih in range(first, first + heads):
-                    dda = ct.where(last_col, state_sum(state_total, ib, ih, ic, COLUMN_TILES), 0.0)
-                    ct.store(ddA_cumsum, index=(ib, ih, ic, it),
-                             tile=dda.reshape((1, 1, 1, BLOCK_Q)))
 
 
-def state_sum(state_total, ib, ih, ic, COLUMN_TILES):
-    """Tile code: [1] the sum of dw_s w_s over chunk ``ic`` of head ``ih``: its column blocks'
-    parts, added in a fixed order."""
+def state_sum(state_total, ib, ih, ic, it, BLOCK_Q, Q, COLUMN_TILES):
+    """Tile code: [T] row block ``it``'s part of chunk_state's ddA_cumsum for chunk ``ic`` of
+    head ``ih``: at the chunk's last column the sum of dw_s w_s over the chunk (its column
+    blocks' parts, added in a fixed order), 0 elsewhere."""
     parts = ct.load(state_total, index=(ib, ih, ic, 0), shape=(1, 1, 1, COLUMN_TILES))
-    return ct.sum(parts.reshape((COLUMN_TILES,)), axis=0, keepdims=True)
+    total = ct.sum(parts.reshape((COLUMN_TILES,)), axis=0, keepdims=True)  # [1]
+    return ct.where(positions(it, BLOCK_Q) == Q - 1, total, 0.0)
 
 
 # 3. states: dprev_states, a chunk_state of (dy, C) with decays from the chunk's start
@@ -512,6 +506,10 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         diagonal, prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
         y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, BLOCK_Q=config.rows_block_q,
         state_total=state_total_arg, COLUMN_TILES=q // config.block_q, FOLD=fold), device=dev)
+    if fold and (nchunks - 1) * q + q - config.rows_block_q >= l:
+        # the last chunk's last row block lies wholly past the sequence end: rows skipped it,
+        # and its last column takes chunk_state's sum over the chunk here
+        out["ddA_cumsum"][:, :, -1, -1] += state_total[:, :, -1].sum(-1)
     if not config.dprev_in_walk:
         launch(states, (b * nchunks, h, -(-n // config.block_n)), dict(
             dy=dy, C=C, dA_cumsum=dA_cumsum, seq_idx=seq_idx, seq_last=seq_last,
