@@ -182,8 +182,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     env = environment()
     folder = ROOT / "results" / gpu_slug(env)
-    getoption = getattr(session.config, "getoption", lambda name, default: default)
-    merge = getoption("--gpu-merge", False)
+    merge = session.config.getoption("--gpu-merge")
 
     def kept(path):  # what a recording there holds of test files this run did not run
         if not merge or not path.exists():

@@ -51,7 +51,7 @@ def test_rows_from_every_worker_are_split_into_their_files(plumbing, tmp_path):
     plumbing.pytest_runtest_logreport(report("tests/m.py::one", "passed", [mixer]))
     plumbing.pytest_runtest_logreport(report("tests/m.py::two", "failed", [dict(mixer, rel_err=1.0)]))
     plumbing.pytest_runtest_logreport(report("tests/d.py::one", "passed", [decode]))
-    plumbing.pytest_sessionfinish(SimpleNamespace(config=SimpleNamespace()), 1)
+    finish(plumbing, merge=False)
 
     summary = read_json(tmp_path / "results" / "h200" / "gpu_tests.json.gz")
     assert summary["outcomes"] == {"passed": 3, "failed": 1}
@@ -69,7 +69,8 @@ def test_rows_from_every_worker_are_split_into_their_files(plumbing, tmp_path):
 
 
 def finish(module, merge):
-    config = SimpleNamespace(getoption=lambda name, default: merge)
+    """End the module's session as pytest does, with or without --gpu-merge."""
+    config = SimpleNamespace(getoption={"--gpu-merge": merge}.__getitem__)
     module.pytest_sessionfinish(SimpleNamespace(config=config), 0)
 
 
