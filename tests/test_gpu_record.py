@@ -69,7 +69,7 @@ def test_rows_from_every_worker_are_split_into_their_files(plumbing, tmp_path):
 
 
 def finish(module, merge):
-    """End the module's session as pytest does, with or without --gpu-merge."""
+    """End the module's run as pytest does, with or without --gpu-merge."""
     config = SimpleNamespace(getoption={"--gpu-merge": merge}.__getitem__)
     module.pytest_sessionfinish(SimpleNamespace(config=config), 0)
 

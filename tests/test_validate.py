@@ -440,7 +440,7 @@ def test_a_fault_run_writes_its_own_summary(tmp_path, monkeypatch):
     plumbing.pytest_runtest_logreport(SimpleNamespace(
         when="call", keywords={"gpu": True}, outcome="failed", failed=True, nodeid="t",
         user_properties=[("gpu_rows", rows)]))
-    finish = SimpleNamespace(config=SimpleNamespace())
+    finish = SimpleNamespace(config=SimpleNamespace(getoption={"--gpu-merge": False}.get))
     plumbing.pytest_sessionfinish(finish, 0)                        # a plain run
     folder = tmp_path / "results" / "h200"
     summary = ssd.tools.env.read_json(folder / "gpu_tests.json.gz")
