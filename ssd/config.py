@@ -206,9 +206,8 @@ class ScanBackwardConfig:
     need not match. Defaults: 64-wide tiles, 4 warps and two blocks a SM (the hint), the
     fastest point, or within 1 %, of ``python -m ssd.tools.backward_stages`` at chunk 64 on
     sm_90 over 4 and 8 warps and hints 2 and 4 on every models shape (1 to 4 on 2.7b, folded
-    too): without
-    the hint the compiler gives a block 255 registers and one block a SM, which leaves the SM
-    idle while it waits on memory. There (bf16, p 64, n 128) both kernels compile to 128
+    too): without the hint the compiler gives a block 255 registers and one block a SM, which
+    leaves the SM idle while it waits on memory. There (bf16, p 64, n 128) both kernels compile to 128
     registers without spilling; with chunk_state's backward folded in, columns spills 80 bytes
     a thread and rows 8 (``ssd.tools.aot.resource_usage``). fp32 inputs take smaller tiles
     (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
@@ -537,8 +536,8 @@ def default_config(capability: tuple[int, int] | None = None,
         blocks = b * h * config.state.slices(p, n)[2]
         one_wave = replace(config.state, **ONE_WAVE_STATE)
         # whole states in groups: measured for 128-wide states only (long-16k)
-        grouped = (not stores_states and sms and chunk_size == ONE_WAVE_CHUNK and capability[0] in MEASURED_ARCHS
-                   and seqlen is not None and -(-seqlen // chunk_size) >= GROUPED_MIN_CHUNKS
+        grouped = (not stores_states and sms and chunk_size == ONE_WAVE_CHUNK
+                   and capability[0] in MEASURED_ARCHS and seqlen is not None and -(-seqlen // chunk_size) >= GROUPED_MIN_CHUNKS
                    and config.state.occupancy and SMALL_STATE < n <= one_wave.block_n
                    and b * h * one_wave.slices(p, n)[2] * GROUPED_WALK <= one_wave.occupancy * sms)
         if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms and grouped:

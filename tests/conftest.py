@@ -194,12 +194,11 @@ def pytest_sessionfinish(session, exitstatus):
         return dict(old, rows=[r for r in unpack_rows(old["rows"]) if r.get("file") not in
                                _OUTCOMES])
 
-    outcomes = {f: dict(c) for f, c in _OUTCOMES.items()}
     faults = requested_faults()
     tests = folder / ("gpu_faults.json.gz" if faults else "gpu_tests.json.gz")
     old = {} if faults else kept(tests)
-    outcomes = {**{f: c for f, c in old.get("outcomes_by_file", {}).items()
-                   if f not in _OUTCOMES}, **outcomes}
+    # this run's files replace what the recording held of them
+    outcomes = {**old.get("outcomes_by_file", {}), **{f: dict(c) for f, c in _OUTCOMES.items()}}
     failed = sorted([t for t in old.get("failed_tests", []) if t.split("::")[0] not in _OUTCOMES]
                     + _FAILED)
     total = dict(sum((Counter(c) for c in outcomes.values()), Counter()))

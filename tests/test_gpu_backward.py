@@ -4,9 +4,9 @@
 ``ssd.autograd.ChunkScanCombined``, the backward of ``ssd.backward`` (its default table on a GPU:
 every stage's cuTile kernels, chunk_state's folded into chunk_scan's; some tests take
 chunk_state's kernels of its own, ``cutile_backwards(fold=False)``; one forces PyTorch
-throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``) computed from exactly the rounded
-device inputs and the rounded upstream gradients, on fresh random inputs (a new seed per run,
-printed on failure; ``SSD_TEST_SEED`` replays one).
+throughout) -- against the float64 reference gradients (``ProblemSpec.reference_backward``)
+computed from exactly the rounded device inputs and the rounded upstream gradients, on fresh
+random inputs (a new seed per run, printed on failure; ``SSD_TEST_SEED`` replays one).
 
 Every gradient is checked by both criteria of ``ssd.validate.check_gradient``: the norm within
 ``GRAD_TOL`` of the input dtype (the derivation is there) and the worst element within

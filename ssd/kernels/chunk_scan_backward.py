@@ -506,7 +506,7 @@ def chunk_scan_backward(dy, B, C, x, dt_out, dA_cumsum, prev_states, seq_idx=Non
         diagonal, prev_states=prev_states, seq_last=seq_last, dC=out["dC"],
         y_ssm=optional(y_ssm, 4, f, dev), REBUILD_Y=rebuild_y, BLOCK_Q=config.rows_block_q,
         state_total=state_total_arg, COLUMN_TILES=q // config.block_q, FOLD=fold), device=dev)
-    if fold and (nchunks - 1) * q + q - config.rows_block_q >= l:
+    if fold and nchunks * q - config.rows_block_q >= l:
         # the last chunk's last row block lies wholly past the sequence end: rows skipped it,
         # and its last column takes chunk_state's sum over the chunk here
         out["ddA_cumsum"][:, :, -1, -1] += state_total[:, :, -1].sum(-1)
