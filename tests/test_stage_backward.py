@@ -20,7 +20,6 @@ from ssd import backward as TB  # noqa: E402
 from ssd import launch  # noqa: E402
 from ssd.problem import EDGE_SHAPES  # noqa: E402
 
-STAGES = ("state_passing", "chunk_state", "chunk_cumsum")
 #: The four stages every table holds (``fold`` is optional).
 FOUR = ("chunk_scan", "state_passing", "chunk_state", "chunk_cumsum")
 
@@ -119,6 +118,9 @@ def stage_arguments(dtype=torch.bfloat16):
     seq = torch.from_numpy(spec.seq_idx())
     dt_out, dA = r(b, h, c, q).abs(), -r(b, h, c, q).abs()
     return dict(
+        chunk_scan=((r(b, l, h, p), r(b, l, g, n, dt=dtype), r(b, l, g, n, dt=dtype),
+                     r(b, l, h, p, dt=dtype), dt_out, dA, r(b, c, h, p, n, dt=dtype), r(h, p),
+                     r(b, l, h, p, dt=dtype), seq), {}),
         state_passing=((r(b, c, h, p, n), r(b, c, h, p, n, dt=dtype), dA, r(b, h, p, n), seq),
                        dict(dfinal_states=r(b, h, p, n), dstates_dtype=dtype)),
         chunk_state=((r(b, c, h, p, n), r(b, l, g, n, dt=dtype), r(b, l, h, p, dt=dtype), dt_out,
@@ -127,15 +129,19 @@ def stage_arguments(dtype=torch.bfloat16):
                        True, spec.dt_limit), dict(dt_out=dt_out)))
 
 
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", FOUR)
 def test_launchers_return_the_torch_functions_keys_shapes_and_dtypes(stage):
-    """Under capture (no GPU: the launches are recorded, the outputs left unwritten)."""
+    """Under capture (no GPU: the launches are recorded, the outputs left unwritten). chunk_scan's
+    dprev_states is the walk's unformed EnteringGradient (``ScanBackwardConfig.dprev_in_walk``)."""
     args, kw = stage_arguments()[stage]
     with launch.capture() as records:
         got = getattr(TB.cutile_backwards(), stage)(*args, **kw)
     want = getattr(TB.TORCH_BACKWARDS, stage)(*args, **kw)
     assert records and list(got) == list(want)
     for key in want:
+        if isinstance(got[key], TB.EnteringGradient):  # chunk_scan's dprev_states, for the walk
+            assert key == "dprev_states" and got[key].dy.shape == args[0].shape
+            continue
         assert (got[key].shape, got[key].dtype) == (want[key].shape, want[key].dtype), key
 
 
