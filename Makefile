@@ -115,7 +115,7 @@ GPU_TESTS_4 ?= tests/test_gpu_layer_kernels.py tests/test_gpu_decode.py
 .PHONY: gpu gpu-check-1 gpu-check-2 gpu-check-3 gpu-check-4 gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
-  gpu-results gpu-tilegym gpu-tilegym-backward gpu-backward-stages
+  gpu-results gpu-tilegym gpu-tilegym-backward gpu-backward-stages gpu-smoke
 gpu: gpu-check-1 gpu-check-2 gpu-check-3 gpu-check-4 gpu-models-1 gpu-models-2 gpu-bench gpu-study gpu-layer gpu-serving \
   gpu-robust-1 gpu-robust-2 gpu-robust-3 gpu-robust-4 gpu-robust-5 gpu-backward-1 \
   gpu-backward-2 gpu-backward-3 gpu-train-mqar gpu-train-step-1 gpu-train-step-2 \
@@ -204,6 +204,27 @@ gpu-tilegym-backward:
 gpu-backward-stages:
 	$(GPU_PYTHON) -m ssd.tools.backward_stages --head-splits 1,2,4,8 --block-q 32,64 --warps 4,8 \
 	  --reps 30
+
+# make gpu-smoke: each benchmark tool of make gpu once, on its smallest problem, into
+# _build/gpu-smoke/: a tool that fails there would fail its part of a recording spread over
+# several sessions. Not part of make gpu: it records nothing the book reads.
+SMOKE ?= _build/gpu-smoke
+gpu-smoke:
+	$(GPU_PYTHON) -m ssd.tools.endtoend --only share --shapes 130m --reps 2 --chunk-size cutile=64 \
+	  --out $(SMOKE)/endtoend.json
+	$(GPU_PYTHON) -m ssd.tools.endtoend --only prefill --quick --layers 2 --prefill-reps 1 \
+	  --chunk-size cutile=64 --out $(SMOKE)/endtoend.json
+	$(GPU_PYTHON) -m ssd.tools.decode_bench --shapes 2.7b --reps 3 --out $(SMOKE)/decode.json
+	$(GPU_PYTHON) -m ssd.tools.serving --layers 2 --reps 1 --chunk-size cutile=64 \
+	  --out $(SMOKE)/serving_scenario.json
+	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 3 \
+	  --shard 1/30 --out $(SMOKE)/robust.json
+	$(GPU_PYTHON) -m ssd.tools.backward_bench --shapes small-state --reps 3 \
+	  --out $(SMOKE)/backward.json
+	$(GPU_PYTHON) -m ssd.tools.train mqar --seed 0 --steps 20 --no-progress \
+	  --out $(SMOKE)/training.json
+	$(GPU_PYTHON) -m ssd.tools.train step --shapes 130m --layers 2 --reps 2 \
+	  --chunk-size cutile=128 --no-progress --out $(SMOKE)/training_step.json
 
 # make gpu-tilegym: TileGym's own autotuner on each models shape (an exhaustive search, minutes a
 # shape), its chosen configurations kept in results/tilegym_tuned.json for gpu-bench to replay.
