@@ -80,7 +80,8 @@ $(BOOK_VENV)/.stamp: pyproject.toml
 #                      floor; a prefill grid (endtoend.json)
 #   gpu-serving        the decode step against mamba_ssm's (decode.json) and the
 #                      serving scenario: a packed prefill, then decoding
-#                      (serving_scenario.json)
+#                      (serving_scenario.json); an eager forward's host time by
+#                      phase (host_profile.json)
 #   gpu-robust-1..5    the robust suite against mamba_ssm, every 5th shape from the
 #                      1st, ..., from the 5th (6 shapes a part), merged into one
 #                      robust.json. Ours runs at chunk 64, its kernels for a part's
@@ -147,6 +148,7 @@ gpu-layer:
 gpu-serving:
 	$(GPU_PYTHON) -m ssd.tools.decode_bench --reps 50
 	$(GPU_PYTHON) -m ssd.tools.serving --reps 10 --chunk-size cutile=64
+	$(GPU_PYTHON) -m ssd.tools.host_profile
 gpu-robust-1:
 	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm \
 	  --reps 30 --shard 1/5 --merge
@@ -217,6 +219,7 @@ gpu-smoke:
 	$(GPU_PYTHON) -m ssd.tools.decode_bench --shapes 2.7b --reps 3 --out $(SMOKE)/decode.json
 	$(GPU_PYTHON) -m ssd.tools.serving --layers 2 --reps 1 --chunk-size cutile=64 \
 	  --out $(SMOKE)/serving_scenario.json
+	$(GPU_PYTHON) -m ssd.tools.host_profile --reps 50 --out $(SMOKE)/host_profile.json
 	$(GPU_PYTHON) -m ssd.tools.bench --suite robust --impl ssd --impl mamba_ssm --reps 3 \
 	  --shard 1/30 --out $(SMOKE)/robust.json
 	$(GPU_PYTHON) -m ssd.tools.backward_bench --shapes small-state --reps 3 \

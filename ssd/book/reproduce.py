@@ -43,6 +43,8 @@ HOLDS = {
     "training_step": "a training step of the stack per models shape and backend; the SSD's "
                      "share; Amdahl",
     "decode": "the decode step, ours and mamba_ssm's: times, state bandwidth against a copy's",
+    "host_profile": "an eager forward's host time by phase (one 512-token prompt), its eager "
+                    "and graph times",
     "study": "the layout study: the default and each factor varied around it",
     "endtoend": "a Mamba-2 mixer per model shape, plain and fast layer, and mamba_ssm's "
                 "Mamba2 (the SSD's share, the rest's floor, ceilings); prefill stacks",
@@ -59,7 +61,7 @@ HOLDS = {
 OTHER_WRITERS = {"compile/sm_90_resources.json": "python -m ssd.tools.aot --resources"}
 #: The recording each of these tools writes by default (the others' depends on their options).
 TOOL_RECORDINGS = {"ssd.tools.decode_bench": "decode", "ssd.tools.serving": "serving_scenario",
-                   "ssd.tools.backward_bench": "backward"}
+                   "ssd.tools.backward_bench": "backward", "ssd.tools.host_profile": "host_profile"}
 #: The versions (and driver) an environment record names, as ``ssd.tools.env`` keys them.
 VERSIONS = ("driver", "tileiras", "cuda_tile", "torch", "triton", "mamba_ssm", "tilegym",
             "python")
