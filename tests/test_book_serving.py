@@ -195,3 +195,29 @@ def test_scenario_tables(scenario):
     assert all(math.isfinite(v) for v in table.column("tokens_per_s"))
     S.plot_scenario(scenario)
     assert dumps(scenario)  # JSON-able, as recorded
+
+
+# ----------------------------------------------------------------------------- host_profile
+
+
+def test_host_tables_read_a_host_profile_record():
+    """A record made on the CPU (launches recorded), then the GPU's fields put in with known
+    times: the goal row reads eager minus graph against 50 µs, the floor is cuTile's launches."""
+    from ssd.tools import host_profile
+
+    record = host_profile.profile(reps=3)
+    table = S.host_table(record)
+    phases = table.column("phase")
+    assert phases[:4] == ["checks", "config", "stages", "launch_key"] and "total" not in phases
+    assert table.find(call="repeated", phase="call")["us"] == record["repeated_call_us"]["call"]
+    assert all(row["does"] for row in table)
+    cpu = S.host_goal(record)
+    assert cpu.column("overhead") == [None, None] and cpu.column("met") == [None, None]
+    record = dict(record, eager_ms=_stats(0.070, 200), graph_ms=_stats(0.030, 200),
+                  host_overhead_us=40.0, first_call_host_overhead_us=210.0,
+                  repeated_call_us=dict(record["repeated_call_us"], cutile=12.5))
+    goal = S.host_goal(record)
+    print(goal)
+    assert goal.column("overhead") == [40.0, 210.0] and goal.column("met") == [True, None]
+    assert goal[0]["floor"] == 12.5 and goal[1]["floor"] is None
+    assert S.host_goal(record, goal_us=30.0)[0]["met"] is False

@@ -19,6 +19,8 @@ Two kinds of function:
   - ``serving_scenario``: ``python -m ssd.tools.serving``, a packed prefill of many prompts,
     then a decode loop, per SSD backend: :func:`scenario_line`, :func:`scenario_table`,
     :func:`scenario_amdahl`, :func:`plot_scenario`.
+  - ``host_profile``: ``python -m ssd.tools.host_profile``, where an eager forward's host time
+    goes on one 512-token prompt: :func:`host_table`, :func:`host_goal`.
 
 Speedups are ratios within one recording (peers timed in the same process on the same inputs),
 computed by the tools' own functions (``ssd.tools.bench.speedup_summary``,
@@ -40,12 +42,28 @@ __all__ = [
     "DECODE_GOALS", "LABEL", "packed_prefill_check", "prefill_decode_check",
     "decode_cost_table", "decode_table", "decode_goals", "plot_decode", "robust_table",
     "robust_goals", "packed_table", "plot_robust", "scenario_line", "scenario_table",
-    "scenario_amdahl", "plot_scenario",
+    "scenario_amdahl", "plot_scenario", "HOST_GOAL_US", "host_table", "host_goal",
 ]
 
 #: The decode step's goals: faster than mamba_ssm's at every batch and head shape timed, and at
 #: least this fraction of the measured copy bandwidth on its state traffic from this batch up.
 DECODE_GOALS = dict(speedup=1.0, copy_fraction=0.8, copy_from_batch=64)
+#: An eager forward's host overhead (eager minus graph time) on one 512-token prompt, at most.
+HOST_GOAL_US = 50.0
+#: What each phase of a call's host path does (``ssd.tools.host_profile``).
+HOST_PHASES = {
+    "checks": "the arguments' checks (ssd.api.validate)",
+    "config": "the configuration for the problem and GPU",
+    "stages": "the launchers: allocations, argument lists, parameter order",
+    "launch_key": "the key of each launch that has a quick first build",
+    "key": "the signature's key, to find its plan",
+    "prepare": "the inputs as the kernels take them",
+    "allocate": "fresh outputs and intermediates",
+    "arguments": "each launch's argument tuple",
+    "launch": "the launches, through ssd.launch",
+    "cutile": "cuda.tile.launch alone for the same launches: the floor",
+    "call": "the whole call",
+}
 #: How the chapter names the implementations and SSD backends, and their colours.
 LABEL = {"ssd": "ours", "mamba_ssm": "mamba_ssm", NEW: "ours (cuTile)",
          BASE: "mamba_ssm (Triton)", "torch": "PyTorch"}
@@ -454,3 +472,38 @@ def plot_scenario(scenario):
     axes[0].legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
+
+
+# ----------------------------------------------------------------------------- the host path
+
+
+def host_table(record) -> Table:
+    """One row per phase of the host path (``ssd.tools.host_profile``), in µs: a signature's
+    first call (checks, configuration, the launchers) and a repeated call, whose plan replays
+    the launches; on a GPU the last row of each is the whole call, timed alone."""
+    rows = [dict(call=title, phase=phase, us=us, does=HOST_PHASES.get(phase, ""))
+            for title, part in (("first", record["first_call_us"]),
+                                ("repeated", record["repeated_call_us"]))
+            for phase, us in part.items() if phase != "total"]
+    return Table(rows, dict(call="call", phase="phase", us="µs", does="what it does"),
+                 dict(us=".1f"))
+
+
+def host_goal(record, goal_us=HOST_GOAL_US) -> Table:
+    """The host-path goal: a repeated eager call's time minus its CUDA-graph replay's (the
+    host time the graph hides) at most ``goal_us``, beside the floor cuTile's own launches set
+    (``cutile``: ``cuda.tile.launch`` alone for the call's launches); the first-call path's
+    overhead below it, without a goal (a signature's first call, and every call a plan cannot
+    hold). None where the record was made without a GPU."""
+    gpu = "eager_ms" in record
+    rows = [dict(path=path, overhead=record[key] if gpu else None, goal=goal,
+                 floor=record["repeated_call_us"].get("cutile") if goal else None,
+                 met=record[key] <= goal if gpu and goal else None)
+            for path, key, goal in (
+                ("repeated call (plan replayed)", "host_overhead_us", goal_us),
+                ("first-call path (checks, configuration, launchers)",
+                 "first_call_host_overhead_us", None))]
+    return Table(rows, dict(path="path", overhead="eager − graph µs", goal="goal µs",
+                            floor="cuTile's launches µs", met="met"),
+                 dict(overhead=".1f", goal=".0f", floor=".1f",
+                      met=lambda v: "yes" if v else "no"))
