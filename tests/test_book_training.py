@@ -126,6 +126,22 @@ def test_fb_table_and_goals(backward):
     assert goals["faster than TileGym fwd+bwd, every shape"]["met"] is None
 
 
+
+def test_memory_table_counts_the_entering_states_and_their_gradient(backward):
+    """One row per shape and chunk size of ours, mamba_ssm's beside it at the same chunk; the
+    states' MiB are 2 b ceil(l/q) h p n bf16 elements, halving from chunk 64 to 128."""
+    table = TR.memory_table(backward)
+    print(table)
+    assert len(table) == len(SHAPES) * 2
+    for shape in SHAPES:
+        b, l, h, p, n, _ = shape.dims
+        at64, at128 = table.find(shape=shape.name, chunk=64), table.find(shape=shape.name, chunk=128)
+        assert at64["states_mb"] == pytest.approx(2 * b * -(-l // 64) * h * p * n * 2 / 2**20)
+        assert at128["states_mb"] == pytest.approx(at64["states_mb"] / 2, rel=0.02)
+        assert at64["ours_mb"] == MB["ssd"] and at64["mamba_mb"] == MB["mamba_ssm"]
+        assert at64["states_share"] == pytest.approx(at64["states_mb"] / MB["ssd"])
+        assert at128["mamba_ms"] == pytest.approx(2 * TIMES["mamba_ssm"][1])
+
 def test_tilegym_tuned_goal_read_from_its_own_recording(backward, tuned):
     assert all(r.get("tuning") == "searched" for r in tuned["records"]
                if r["impl"] == "tilegym_tuned")

@@ -7,7 +7,7 @@ Every function takes loaded recordings (``ssd.book.recordings.load_recorded``) a
 * ``backward``: ``python -m ssd.tools.backward_bench``, the SSD's forward and forward + backward,
   ours and mamba_ssm's (and TileGym's untuned, any peer recorded beside them), on the ``models``
   shapes at three chunk sizes, CUDA-graph replay and eager, with the extra peak memory:
-  :func:`fb_table`, :func:`fb_goals`, :func:`plot_fb`;
+  :func:`fb_table`, :func:`fb_goals`, :func:`memory_table`, :func:`plot_fb`;
 * ``backward_tilegym_tuned``: ``make gpu-tilegym-backward``, ours beside TileGym's forward +
   backward tuned by its own search, in one process: :func:`fb_goals`;
 * ``training_step``: ``python -m ssd.tools.train step``, a training step (forward, backward,
@@ -33,8 +33,8 @@ from ..tools.endtoend import amdahl_rows
 from .figures import paired_bars
 from .tables import Table, pct
 
-__all__ = ["FB_GOALS", "LABEL", "fb_table", "fb_goals", "plot_fb", "step_table", "plot_step",
-           "task_line", "mqar_table", "noise_table", "plot_curves"]
+__all__ = ["FB_GOALS", "LABEL", "fb_table", "fb_goals", "memory_table", "plot_fb", "step_table",
+           "plot_step", "task_line", "mqar_table", "noise_table", "plot_curves"]
 
 #: The forward + backward goals, against mamba_ssm's best chunk size in CUDA-graph replay: the
 #: geometric mean over the models shapes and the lowest shape's speedup; faster than each other
@@ -105,8 +105,8 @@ def fb_table(backward, mode="graph") -> Table:
                 ours_fb="ours fwd+bwd ms (chunk)", bwd_over_fwd="ours bwd / fwd",
                 mamba_fb="mamba_ssm fwd+bwd ms (chunk)")
     cols.update({f"x_{p}": f"× {LABEL.get(p, p)}" for p in peers})
-    cols.update(x_eager="× mamba_ssm eager", ours_mb="ours extra MB",
-                mamba_mb="mamba_ssm extra MB")
+    cols.update(x_eager="× mamba_ssm eager", ours_mb="ours extra MiB",
+                mamba_mb="mamba_ssm extra MiB")
     return Table(rows, cols, dict(ours_f=".3f", bwd_over_fwd=times, ours_mb=".0f",
                                   mamba_mb=".0f", **{k: times for k in speedups}))
 
@@ -177,6 +177,33 @@ def fb_goals(backward, goals=FB_GOALS, tuned=None) -> Table:
                             where="where", met="met", margin="margin"),
                  dict(met=lambda v: "yes" if v else "no",
                       margin=lambda v: f"{100 * v:+.1f}\u00a0%"))
+
+
+def memory_table(backward, mode="graph") -> Table:
+    """Per shape and chunk size q: ours' and mamba_ssm's forward + backward time in ``mode`` and
+    extra peak memory, and the part of ours' the entering states and their gradient take:
+    both (b, c, h, p, n) in the inputs' dtype, c = ceil(l / q), so 2 b c h p n elements, N/Q of
+    x's size each. What a smaller chunk buys its speed with."""
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
+    rec = {(r["shape"], r["impl"], r["chunk_size"]): r for r in backward["records"]
+           if r["what"] == FB and r["mode"] == mode}
+    rows = []
+    for (shape, impl, q), ours in rec.items():
+        if impl != "ssd":
+            continue
+        b, l, h, p, n, _ = ours["dims"]
+        states = 2 * b * -(-l // q) * h * p * n * itemsize[ours["dtype"]] / 2**20
+        m = rec.get((shape, "mamba_ssm", q))
+        rows.append(dict(shape=shape, chunk=q, ours_ms=ours["median_ms"],
+                         ours_mb=ours["extra_peak_mb"], states_mb=states,
+                         states_share=states / ours["extra_peak_mb"],
+                         mamba_ms=m and m["median_ms"], mamba_mb=m and m["extra_peak_mb"]))
+    return Table(rows, dict(shape="shape", chunk="chunk", ours_ms="ours fwd+bwd ms",
+                            ours_mb="ours extra MiB", states_mb="entering states + gradient MiB",
+                            states_share="their share", mamba_ms="mamba_ssm fwd+bwd ms",
+                            mamba_mb="mamba_ssm extra MiB"),
+                 dict(ours_ms=".3f", ours_mb=".0f", states_mb=".0f", states_share=pct,
+                      mamba_ms=".3f", mamba_mb=".0f"))
 
 
 def plot_fb(backward, mode="graph"):
