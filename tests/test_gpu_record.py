@@ -140,3 +140,28 @@ def test_every_gpu_test_file_is_in_one_gpu_check_part():
                       if marked.search(p.read_text()))
     assert sorted(named) == with_gpu
     assert len(parts) == 4 and all(f"gpu-check-{i}" in text for i in range(1, 5))
+
+
+def test_gpu_smoke_runs_every_tool_of_make_gpu():
+    """make gpu-smoke is there to fail before a recording would: it must run each tool (and
+    each subcommand of ssd.tools.train) that a part of make gpu runs, but the GPU tests, the
+    doctor and the chapters, which are parts of their own."""
+    import re
+
+    from ssd.book.reproduce import make_targets
+
+    targets = make_targets((CONFTEST.parent.parent / "Makefile").read_text())
+
+    def tools(commands):
+        found = set()
+        for cmd in commands:
+            m = re.search(r"-m (ssd\.tools\.\w+)(?: (mqar|step)\b)?", cmd)
+            if m:
+                found.add(" ".join(filter(None, m.groups())))
+        return found
+
+    parts = targets["gpu"][0]
+    assert len(parts) == 22
+    recorded = tools(cmd for part in parts for cmd in targets[part][1])
+    assert {"ssd.tools.bench", "ssd.tools.backward_bench", "ssd.tools.train step"} <= recorded
+    assert tools(targets["gpu-smoke"][1]) >= recorded
