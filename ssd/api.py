@@ -137,7 +137,7 @@ def validate(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_s
                            cu_seqlens if return_varlen_states else None, dims["l"])
     # The device last, so that every other error reads the same on any machine (and is tested
     # on the CPU).
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and _launch.capturing()):
+    if not _launch.on_launch_device(x):
         raise ValueError(f"x: must be a CUDA tensor (got device {x.device}); the cuTile kernels "
                          "run on NVIDIA GPUs only. On the CPU use ssd.reference.ssd_chunked.")
     return dims

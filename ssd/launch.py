@@ -139,6 +139,12 @@ def capturing() -> bool:
     return _handler is not None
 
 
+def on_launch_device(t) -> bool:
+    """Whether the launchers take tensor ``t``: on a CUDA device, or on the CPU while launches
+    are captured (recorded, nothing run: ahead-of-time builds, the host path's profile)."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and capturing())
+
+
 @dataclass
 class Trace:
     """What a host path did, as :func:`trace` saw it: its launches, in order, as

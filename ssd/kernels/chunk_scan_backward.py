@@ -58,8 +58,8 @@ import functools
 import cuda.tile as ct
 
 from ..config import ScanBackwardConfig, head_splits, next_pow2
-from ..launch import (array_type, capturing, chunk_seq_last, gpu_facts, index_dtype_for, launch,
-                      optional)
+from ..launch import (array_type, chunk_seq_last, gpu_facts, index_dtype_for, launch,
+                      on_launch_device, optional)
 from .tiles import (ConstBool, ConstInt, LOG2E, ZERO, chunk_end_decay, chunk_row,
                     entering_gradient, entering_sequence, head_run, rows_of, sequence_ids)
 
@@ -576,9 +576,8 @@ def check_inputs(dy, B, C, x, dt_out, dA_cumsum, prev_states, D=None, z=None, se
     if dims["n"] > MAX_DSTATE:
         raise ValueError(f"B: dstate n={dims['n']} is larger than the {MAX_DSTATE} the kernels "
                          "hold in one tile")
-    # The device last, so that every other error reads the same on any machine; CPU tensors
-    # pass under capture (launches recorded: ahead-of-time builds, the host path's profile).
-    if x.device.type != "cuda" and not (x.device.type == "cpu" and capturing()):
+    # The device last, so that every other error reads the same on any machine.
+    if not on_launch_device(x):
         raise ValueError(f"x: must be a CUDA tensor (got device {x.device}); on the CPU use "
                          "ssd.backward.chunk_scan_backward_torch")
     return dims
