@@ -207,10 +207,10 @@ class ScanBackwardConfig:
     fastest point, or within 1 %, of ``python -m ssd.tools.backward_stages`` at chunk 64 on
     sm_90 over 4 and 8 warps and hints 2 and 4 on every models shape (1 to 4 on 2.7b, folded
     too): without the hint the compiler gives a block 255 registers and one block a SM, which
-    leaves the SM idle while it waits on memory. There (bf16, p 64, n 128) both kernels compile to 128
-    registers without spilling; with chunk_state's backward folded in, columns spills 80 bytes
-    a thread and rows 8 (``ssd.tools.aot.resource_usage``). fp32 inputs take smaller tiles
-    (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
+    leaves the SM idle while it waits on memory. There (bf16, p 64, n 128) both kernels compile
+    to 128 registers without spilling; with chunk_state's backward folded in, columns spills 80
+    bytes a thread and rows 8 (``ssd.tools.aot.resource_usage``). fp32 inputs take smaller
+    tiles (:meth:`for_problem`). ``dprev_in_walk``: the entering states' gradient is not formed here
     but where state_passing's backward walk consumes it (``ssd.backward.EnteringGradient``), so
     that its (b, c, h, p, n) fp32 tensor never reaches memory, as the forward's fused stage 2
     keeps the per-chunk states out of memory; ``block_k`` and ``block_n`` then go unused."""
@@ -537,7 +537,8 @@ def default_config(capability: tuple[int, int] | None = None,
         one_wave = replace(config.state, **ONE_WAVE_STATE)
         # whole states in groups: measured for 128-wide states only (long-16k)
         grouped = (not stores_states and sms and chunk_size == ONE_WAVE_CHUNK
-                   and capability[0] in MEASURED_ARCHS and seqlen is not None and -(-seqlen // chunk_size) >= GROUPED_MIN_CHUNKS
+                   and capability[0] in MEASURED_ARCHS and seqlen is not None
+                   and -(-seqlen // chunk_size) >= GROUPED_MIN_CHUNKS
                    and config.state.occupancy and SMALL_STATE < n <= one_wave.block_n
                    and b * h * one_wave.slices(p, n)[2] * GROUPED_WALK <= one_wave.occupancy * sms)
         if sms and blocks < MIN_STAGE2_BLOCKS_PER_SM * sms and grouped:

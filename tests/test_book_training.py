@@ -135,7 +135,7 @@ def test_memory_table_counts_the_entering_states_and_their_gradient(backward):
     assert len(table) == len(SHAPES) * 2
     for shape in SHAPES:
         b, l, h, p, n, _ = shape.dims
-        at64, at128 = table.find(shape=shape.name, chunk=64), table.find(shape=shape.name, chunk=128)
+        at64, at128 = (table.find(shape=shape.name, chunk=q) for q in (64, 128))
         assert at64["states_mb"] == pytest.approx(2 * b * -(-l // 64) * h * p * n * 2 / 2**20)
         assert at128["states_mb"] == pytest.approx(at64["states_mb"] / 2, rel=0.02)
         assert at64["ours_mb"] == MB["ssd"] and at64["mamba_mb"] == MB["mamba_ssm"]

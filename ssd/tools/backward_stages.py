@@ -122,6 +122,8 @@ SWEPT = ("head_splits", "block_q", "rows_block_q", "warps", "occupancy")
 STATE_SWEPT = ("block_s", "block_p", "block_n", "occupancy")
 #: The fields of PassingBackwardConfig state_passing's sweep sets (--passing-tiles PxN).
 PASSING_SWEPT = ("block_p", "block_n", "occupancy")
+#: Every swept field, as a progress line names a record's point (occupancy last).
+POINT_FIELDS = tuple(dict.fromkeys((*SWEPT[:-1], *STATE_SWEPT, *PASSING_SWEPT)))
 
 
 def where_dprev_forms(where: str) -> StageBackwards:
@@ -146,8 +148,8 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
     ``sweep`` ({field of :data:`SWEPT`: values}), chunk_state's at each of ``state_tiles``
     ((block_s, block_p, block_n, occupancy) of StateBackwardConfig) and state_passing's at each
     of ``passing_tiles`` ((block_p, block_n, occupancy) of PassingBackwardConfig: its walk's
-    state slices and hint), the
-    sweeps at dprev's first; return the payload (records, settings). ``progress``: called with a
+    state slices and hint), the sweeps at dprev's first; return the payload (records,
+    settings). ``progress``: called with a
     line for each record as it is taken (a run cut short still shows what it measured)."""
     import dataclasses
     import itertools
@@ -164,8 +166,8 @@ def run(shapes, chunks=(64, 256), sweep=None, reps=30, dprev=PLACEMENTS,
     def add(record):
         records.append(record)
         if progress:
-            keys = dict.fromkeys((*SWEPT[:-1], *STATE_SWEPT, *PASSING_SWEPT))  # occupancy last
-            point = "".join(f" {k}={record[k]}" for k in keys if record.get(k) is not None)
+            point = "".join(f" {k}={record[k]}" for k in POINT_FIELDS
+                            if record.get(k) is not None)
             progress(f"{record['shape']} q{record['chunk_size']} {record['dprev']} "
                      f"{record['what']}{point}: {record['median_ms']:.3f} ms")
     for shape, q, where_dprev in itertools.product(shapes, chunks, dprev):
