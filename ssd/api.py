@@ -158,21 +158,27 @@ def check_input_values(x, dt, A, B, C, z, seq_idx, cu_seqlens, seqlen: int) -> N
         check_cu_seqlens(cu_seqlens.cpu().numpy(), seqlen, seq_idx.cpu().numpy())
 
 
-def resolve_config(config: SSDConfig | None, chunk_size: int, x, B,
-                   stores_states: bool = False) -> SSDConfig:
-    """``config`` (None: the default for x's GPU (:func:`gpu_facts`), this problem's batch,
-    length, heads and state and the chunk size, see :func:`ssd.config.default_config`) fitted
-    to the problem: tiles clamped to the chunk, head and state sizes, the head block to the
-    heads per group, and the entering states' dtype resolved against x's (see
-    :meth:`SSDConfig.for_problem`). ``stores_states``: the default for a forward whose backward
-    reads every chunk's entering state (training).
+def problem_default(chunk_size: int, x, B, stores_states: bool = False) -> SSDConfig:
+    """The default config for x's GPU (:func:`gpu_facts`), this problem's batch, length, heads
+    and state and the chunk size (:func:`ssd.config.default_config`), not yet fitted to the
+    problem. ``stores_states``: the default for a forward whose backward reads every chunk's
+    entering state (training).
+
+    Args: x (b, l, h, p), B (b, l, g, n)."""
+    capability, sms = gpu_facts(x.device)
+    problem = (x.shape[0], x.shape[2], x.shape[3], B.shape[3])  # (b, h, p, n)
+    return default_config(capability, problem=problem, sms=sms, chunk_size=chunk_size,
+                          seqlen=x.shape[1], stores_states=stores_states)
+
+
+def resolve_config(config: SSDConfig | None, chunk_size: int, x, B) -> SSDConfig:
+    """``config`` (None: :func:`problem_default`) fitted to the problem: tiles clamped to the
+    chunk, head and state sizes, the head block to the heads per group, and the entering states'
+    dtype resolved against x's (see :meth:`SSDConfig.for_problem`).
 
     Args: x (b, l, h, p), B (b, l, g, n)."""
     if config is None:
-        capability, sms = gpu_facts(x.device)
-        problem = (x.shape[0], x.shape[2], x.shape[3], B.shape[3])  # (b, h, p, n)
-        config = default_config(capability, problem=problem, sms=sms, chunk_size=chunk_size,
-                                seqlen=x.shape[1], stores_states=stores_states)
+        config = problem_default(chunk_size, x, B)
     return config.for_problem(chunk_size, x.shape[-1], B.shape[-1], x.shape[2] // B.shape[2],
                               input_dtype=x.dtype)
 
@@ -524,7 +530,8 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                            cu_seqlens if return_varlen_states else None, plan.dims["l"])
     if _autograd.requires_grad(x, dt, A, B, C, D, z, dt_bias, initial_states):
         if config is None and x.is_cuda:  # the default that stores every chunk's entering state
-            config = resolve_config(None, chunk_size, x, B, stores_states=True)
+            # (fitted to the problem by forward_stages, as a caller's config is)
+            config = problem_default(chunk_size, x, B, stores_states=True)
         return _autograd.chunk_scan_combined(
             x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
             seq_idx=seq_idx, cu_seqlens=cu_seqlens, dt_softplus=dt_softplus, dt_limit=dt_limit,

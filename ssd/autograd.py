@@ -31,7 +31,7 @@ The backward reads the forward's inputs, its stage-1 outputs and the state enter
   (:func:`ssd.backward.chunk_state_torch`, :func:`ssd.backward.state_passing_torch`), the cost
   mamba_ssm's backward pays on every call. Only a caller's config takes that path, or the
   grouped walk: on a GPU a recorded call's default is ``default_config(stores_states=True)``
-  (:func:`ssd.api.resolve_config`), which takes neither. The output before the z gate, which dz
+  (:func:`ssd.api.problem_default`), which takes neither. The output before the z gate, which dz
   needs (mamba_ssm saves it as ``out_x``), is recomputed by the chunk_scan backward from the
   diagonal block's weights it builds anyway plus the entering states' term: two einsums, and no
   (b, l, h, p) tensor held between the passes. The dt transform's clamp mask and softplus slope are
