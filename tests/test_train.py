@@ -235,6 +235,23 @@ def test_same_seed_same_curves(record):
     assert other["train_loss"] != first["train_loss"]  # another seed, another run
 
 
+def test_steps_after_the_first_run_tuned_builds(monkeypatch):
+    """The steady steps must not time chunk_scan's quick build: training waits for the tuned
+    builds once, after the first step's clock stopped and before the second step starts."""
+    events = []
+    clock = T.StepClock
+    monkeypatch.setattr("ssd.launch.wait_tuned", lambda *a: events.append("wait"))
+
+    class Logged(clock):
+        def start(self):
+            events.append("start")
+            super().start()
+
+    monkeypatch.setattr(T, "StepClock", Logged)
+    T.train(replace(TINY, steps=3), "torch", seed=0, device="cpu", progress=False)
+    assert events == ["start", "wait", "start", "start"]
+
+
 def test_record_is_well_formed(record, tmp_path):
     path = write_json(tmp_path / "training.json", record)
     back = json.loads(path.read_text())

@@ -324,11 +324,11 @@ def serve(stack, scenario: Scenario, backend: str, *, device=None, chunk_size=No
         ttft, prefill_used, prefill_why = timed(lambda: stack.prefill(u, cu), device,
                                                 prefill_mode, **t)
         ssd0 = stack.mixers[0].ssd
-        ssd_prefill, _, _ = timed(lambda: ssd0(*ssd_args, **ssd_kwargs), device, prefill_used,
-                                  **t)
+        ssd_prefill, _, ssd_prefill_why = timed(lambda: ssd0(*ssd_args, **ssd_kwargs), device,
+                                                prefill_used, **t)
         state = state.clone()  # timed alone, the step advances a copy
-        ssd_step, _, _ = timed(lambda: ssd0.step_fn(state, *step_args, **step_kwargs), device,
-                               decode_used, **t)
+        ssd_step, _, ssd_step_why = timed(lambda: ssd0.step_fn(state, *step_args, **step_kwargs),
+                                          device, decode_used, **t)
     step = _step_stats(ms)
     decode_s = sum(ms) * 1e-3
     tokens = scenario.requests * scenario.generate
@@ -346,7 +346,10 @@ def serve(stack, scenario: Scenario, backend: str, *, device=None, chunk_size=No
                gate_rel_err=err, timer=ttft["timer"])
     if graph_diff is not None:
         row["graph_vs_eager_max_abs"] = graph_diff
-    fallbacks = {k: v for k, v in (("prefill", prefill_why), ("decode", decode_why)) if v}
+    # an SSD call alone that fell back to eager makes its share mix two modes: say so
+    fallbacks = {k: v for k, v in (("prefill", prefill_why), ("decode", decode_why),
+                                   ("ssd_prefill", ssd_prefill_why), ("ssd_step", ssd_step_why))
+                 if v}
     if fallbacks:
         row["eager_because"] = fallbacks
     if cuda:
