@@ -152,6 +152,12 @@ def pytest_runtest_logreport(report):
             _FAILED.append(report.nodeid)
     elif report.when == "setup" and report.skipped and "gpu" in report.keywords:
         _OUTCOMES.setdefault(file, Counter())["skipped"] += 1
+    # A test that never reached its call failed all the same: an error in its setup, or its
+    # xdist worker crashed under it (that report has when "???" and no keywords).
+    elif report.failed and ((report.when == "setup" and "gpu" in report.keywords)
+                            or report.when == "???"):
+        _OUTCOMES.setdefault(file, Counter())["failed"] += 1
+        _FAILED.append(report.nodeid)
     for key, rows in report.user_properties:
         if key == "gpu_rows":
             _COLLECTED.extend(dict(row, file=file) for row in rows)
@@ -175,12 +181,15 @@ def faults_caught(rows: list[dict]) -> dict:
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if not _COLLECTED or hasattr(session.config, "workerinput"):  # xdist workers: controller writes
+    # xdist workers write nothing (the controller does), nor does a run with no GPU check
+    if not (_COLLECTED or _FAILED) or hasattr(session.config, "workerinput"):
         return
     from ssd.tools.env import environment, gpu_slug, pack_rows, read_json, unpack_rows, write_json
     from ssd.validate import requested_faults
 
     env = environment()
+    if env.get("gpu") is None:  # a crashed worker of a CPU run: nothing to record
+        return
     folder = ROOT / "results" / gpu_slug(env)
     merge = session.config.getoption("--gpu-merge")
 
@@ -195,6 +204,11 @@ def pytest_sessionfinish(session, exitstatus):
                                _OUTCOMES])
 
     faults = requested_faults()
+    if not merge and not faults:  # a recording starts anew: no file of another one stays beside it
+        for path in folder.glob("gpu_*_tests.json.gz"):
+            old = read_json(path)["environment"]
+            if any(old.get(k) != env.get(k) for k in ("git_revision", "gpu")):
+                path.unlink()
     tests = folder / ("gpu_faults.json.gz" if faults else "gpu_tests.json.gz")
     old = {} if faults else kept(tests)
     # this run's files replace what the recording held of them

@@ -108,6 +108,40 @@ def test_merging_into_another_revision_is_refused(tmp_path, monkeypatch):
         finish(second, merge=True)
 
 
+def test_errors_and_crashed_workers_count_as_failures(plumbing, tmp_path):
+    """A test whose setup raised, or whose xdist worker died under it, never sends a call
+    report; it is a failure all the same, and a part whose every test failed so still writes."""
+    error = SimpleNamespace(when="setup", keywords={"gpu": True}, outcome="failed", failed=True,
+                            skipped=False, nodeid="tests/a.py::broken", user_properties=[])
+    crash = SimpleNamespace(when="???", keywords={}, outcome="failed", failed=True,
+                            skipped=False, nodeid="tests/b.py::killed", user_properties=[])
+    for r in (error, crash):
+        plumbing.pytest_runtest_logreport(r)
+    finish(plumbing, merge=False)
+    summary = read_json(tmp_path / "results" / "h200" / "gpu_tests.json.gz")
+    assert summary["outcomes"] == {"failed": 2}
+    assert summary["failed_tests"] == ["tests/a.py::broken", "tests/b.py::killed"]
+
+
+def test_a_new_recording_drops_the_files_of_another_revision(tmp_path, monkeypatch):
+    """The first part of a recording (no --gpu-merge) removes summaries of another revision,
+    so that a later part's --gpu-merge finds only its own recording's files."""
+    decode = dict(record="decode", test="decode/layer", dtype="float16", rel_err=2e-4)
+    old = fresh(tmp_path, monkeypatch, revision="abc")
+    old.pytest_runtest_logreport(report("tests/d.py::one", "passed", [decode]))
+    finish(old, merge=False)
+    assert (tmp_path / "results" / "h200" / "gpu_decode_tests.json.gz").exists()
+    new = fresh(tmp_path, monkeypatch, revision="def")
+    new.pytest_runtest_logreport(report("tests/a.py::x", "passed", [dict(dtype="float32")]))
+    finish(new, merge=False)
+    assert not (tmp_path / "results" / "h200" / "gpu_decode_tests.json.gz").exists()
+    part2 = fresh(tmp_path, monkeypatch, revision="def")
+    part2.pytest_runtest_logreport(report("tests/d.py::one", "passed", [decode]))
+    finish(part2, merge=True)  # merges, where the stale file would have been refused
+    summary = read_json(tmp_path / "results" / "h200" / "gpu_tests.json.gz")
+    assert summary["outcomes"] == {"passed": 2}
+
+
 def test_an_xdist_worker_writes_nothing(plumbing, tmp_path):
     plumbing.pytest_runtest_logreport(report("tests/a.py::k", "passed", [dict(dtype="float32")]))
     worker = SimpleNamespace(config=SimpleNamespace(workerinput={"workerid": "gw0"}))
