@@ -193,11 +193,14 @@ def pytest_sessionfinish(session, exitstatus):
     folder = ROOT / "results" / gpu_slug(env)
     merge = session.config.getoption("--gpu-merge")
 
+    def another_recording(record):  # made at another revision or on another GPU
+        return any(record["environment"].get(k) != env.get(k) for k in ("git_revision", "gpu"))
+
     def kept(path):  # what a recording there holds of test files this run did not run
         if not merge or not path.exists():
             return {}
         old = read_json(path)
-        if any(old["environment"].get(k) != env.get(k) for k in ("git_revision", "gpu")):
+        if another_recording(old):
             raise RuntimeError(f"--gpu-merge: {path} was recorded at another revision or on "
                                "another GPU; run its test files again without --gpu-merge")
         return dict(old, rows=[r for r in unpack_rows(old["rows"]) if r.get("file") not in
@@ -206,8 +209,7 @@ def pytest_sessionfinish(session, exitstatus):
     faults = requested_faults()
     if not merge and not faults:  # a recording starts anew: no file of another one stays beside it
         for path in folder.glob("gpu_*_tests.json.gz"):
-            old = read_json(path)["environment"]
-            if any(old.get(k) != env.get(k) for k in ("git_revision", "gpu")):
+            if another_recording(read_json(path)):
                 path.unlink()
     tests = folder / ("gpu_faults.json.gz" if faults else "gpu_tests.json.gz")
     old = {} if faults else kept(tests)

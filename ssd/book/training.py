@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from ..cost import DTYPE_BYTES
 from ..tools import backward_bench as BB
 from ..tools import train as T
 from ..tools.endtoend import amdahl_rows
@@ -184,7 +185,6 @@ def memory_table(backward, mode="graph") -> Table:
     extra peak memory, and the part of ours' the entering states and their gradient take:
     both (b, c, h, p, n) in the inputs' dtype, c = ceil(l / q), so 2 b c h p n elements, N/Q of
     x's size each. What a smaller chunk buys its speed with."""
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}
     rec = {(r["shape"], r["impl"], r["chunk_size"]): r for r in backward["records"]
            if r["what"] == FB and r["mode"] == mode}
     rows = []
@@ -192,7 +192,7 @@ def memory_table(backward, mode="graph") -> Table:
         if impl != "ssd":
             continue
         b, l, h, p, n, _ = ours["dims"]
-        states = 2 * b * -(-l // q) * h * p * n * itemsize[ours["dtype"]] / 2**20
+        states = 2 * b * -(-l // q) * h * p * n * DTYPE_BYTES[ours["dtype"]] / 2**20
         m = rec.get((shape, "mamba_ssm", q))
         rows.append(dict(shape=shape, chunk=q, ours_ms=ours["median_ms"],
                          ours_mb=ours["extra_peak_mb"], states_mb=states,

@@ -479,8 +479,9 @@ def train(config: TrainConfig, backend: str, *, seed: int = 0, device=None, data
     Returns:
         a record: backend, seed, ``train_loss`` (every step's batch loss), ``eval_step``,
         ``eval_loss`` and ``eval_accuracy`` (the held-out curve), ``step_ms`` (every step's
-        time; after the first, the tuned kernel builds are awaited outside the clock), ``first_steps_ms`` (the first ``timing_warmup`` steps) and ``steady`` (median,
-        20/80 % quantiles of the rest), ``final_accuracy``, ``steps_to_target`` and
+        time; after the first, the tuned kernel builds are awaited outside the clock),
+        ``first_steps_ms`` (the first ``timing_warmup`` steps) and ``steady`` (median, 20/80 %
+        quantiles of the rest), ``final_accuracy``, ``steps_to_target`` and
         ``time_to_target_s`` (the first evaluation at ``target_accuracy`` or above, and the
         training steps' time up to it; None if never reached), ``wall_s`` (evaluations
         included), ``peak_mem_mib`` (GPU: the peak allocated above the data sets, i.e. the
